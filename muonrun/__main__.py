@@ -1,0 +1,3 @@
+from muonrun.cli import app
+
+app(prog_name="muonrun")

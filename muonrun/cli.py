@@ -1,0 +1,149 @@
+"""The `muonrun` command line (Typer). Heavy imports (torch, transformers) happen inside commands.
+
+    muonrun pretrain                       # the tiny CPU preset, 2 workers
+    muonrun pretrain qwen2-muon-fsdp2 train.max_steps=100 --nproc-per-node 2
+    muonrun config show tiny optimizer.name=muon
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from muonrun import __version__
+from muonrun.errors import UserError
+
+app = typer.Typer(
+    name="muonrun",
+    help="Pretrain LLMs with FSDP2 and AdamW or distributed Muon, from one CPU to many GPU nodes.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect configurations.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+err_console = Console(stderr=True, highlight=False)
+
+PresetArg = Annotated[
+    str, typer.Argument(help="YAML config file, or a built-in preset name (tiny, qwen2-adamw-fsdp2, qwen2-muon-fsdp2).")
+]
+OverridesArg = Annotated[
+    list[str] | None,
+    typer.Argument(help="Config overrides KEY=VALUE with dotted keys (train.max_steps=100); +KEY=VALUE adds a key."),
+]
+
+
+def user_errors(fn):
+    """User mistakes: one paragraph on stderr, exit code 2, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            err_console.print(f"[bold red]muonrun:[/] {e}")
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"muonrun {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    pass
+
+
+def _flag_overrides(**flags) -> list[str]:
+    """Launcher flags become `launch.*` overrides, so the saved config records how the job ran."""
+    return [f"launch.{key}={value}" for key, value in flags.items() if value is not None]
+
+
+@app.command()
+@user_errors
+def pretrain(
+    config: PresetArg = "tiny",
+    overrides: OverridesArg = None,
+    nproc_per_node: Annotated[
+        int | None, typer.Option(help="Workers per node (default: every local GPU, else launch.nproc_per_node).")
+    ] = None,
+    nnodes: Annotated[int | None, typer.Option(help="Number of nodes.")] = None,
+    node_rank: Annotated[int | None, typer.Option(help="Rank of this node (0 .. nnodes-1).")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous on the head node.")] = None,
+    rdzv_id: Annotated[str | None, typer.Option(help="Job id shared by all nodes.")] = None,
+    max_restarts: Annotated[int | None, typer.Option(help="Restart failed workers this many times.")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate the config, build the model on the meta device, print the plan.")
+    ] = False,
+    world_size: Annotated[
+        int | None, typer.Option(help="With --dry-run: plan for this many workers instead of this machine's.")
+    ] = None,
+) -> None:
+    """Train a model from a preset or YAML file, with optional KEY=VALUE overrides."""
+    from muonrun.config import load_config
+
+    flags = _flag_overrides(
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
+    )
+    cfg = load_config(config, [*(overrides or []), *flags])
+    if dry_run:
+        from muonrun.plan import print_plan
+
+        print_plan(cfg, world_size)
+        return
+    from muonrun.launch import launch
+
+    code = launch(cfg)
+    if code:
+        raise typer.Exit(code)
+
+
+@config_app.command("show")
+@user_errors
+def config_show(config: PresetArg = "tiny", overrides: OverridesArg = None) -> None:
+    """Print the resolved configuration as YAML."""
+    from muonrun.config import load_config, to_yaml
+
+    sys.stdout.write(to_yaml(load_config(config, overrides or [])))
+
+
+@config_app.command("docs")
+def config_docs() -> None:
+    """Print the reference of every config key (type, default, meaning) as Markdown."""
+    from muonrun.config import field_docs
+
+    print("| key | type | default | meaning |\n|---|---|---|---|")
+    for key, (typ, default, doc) in field_docs().items():
+        print(f"| `{key}` | {typ} | `{default}` | {' '.join(doc.split())} |")
+
+
+@app.command()
+@user_errors
+def prepare(config: PresetArg = "tiny", overrides: OverridesArg = None) -> None:
+    """Tokenize and pack the training data once into a cache that `pretrain` reuses."""
+    from muonrun.config import load_config, to_object
+    from muonrun.data import prepare as prepare_data
+
+    path = prepare_data(to_object(load_config(config, overrides or [])))
+    print(f"Data cache ready: {path}")
+
+
+if __name__ == "__main__":
+    app()

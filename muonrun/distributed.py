@@ -1,0 +1,93 @@
+"""Process group, device mesh and the few cross-rank reductions the trainer needs.
+
+Works the same under torchrun (RANK/WORLD_SIZE/... set by torch.distributed.run) and in a single
+in-process worker (no environment: a world of one).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from muonrun.config import Config, check_world_size
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+    """1-D mesh ("dp_shard",) for FSDP, or 2-D ("dp_replicate", "dp_shard") for HSDP."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device_type(c: Config) -> str:
+    if c.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return c.train.device
+
+
+def init_distributed(c: Config) -> Dist:
+    """Initialise the default process group (gloo on CPU, nccl on GPU) and the data-parallel mesh."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    device_type = pick_device_type(c)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = c.launch.backend if c.launch.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if device_type == "cuda" else None)
+    replicate, shard = check_world_size(c, world)
+    if replicate == 1:
+        mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device, mesh=mesh)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    """Average a small tensor of metrics over all ranks (one collective for many numbers)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
+        if dist.get_backend() != "nccl":  # gloo has no AVG
+            values /= dist.get_world_size()
+    return values
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,146 @@
+"""Start the workers: one in-process worker, or torch.distributed.run's elastic agent (in-process API).
+
+The config travels to each worker as resolved YAML. Worker exit codes: 2 for a user mistake found
+inside a worker (its message is already printed), anything else for a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from muonrun.config import check_world_size, to_object, to_yaml
+from muonrun.errors import UserError
+
+USER_ERROR_EXIT = 2
+
+
+@dataclass
+class LaunchPlan:
+    nproc_per_node: int
+    nnodes: int
+    node_rank: int
+    rdzv_endpoint: str | None
+    rdzv_id: str
+    max_restarts: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def in_process(self) -> bool:
+        return self.world_size == 1 and self.max_restarts == 0
+
+
+def default_nproc(c) -> int:
+    """Config value, else every local GPU, else one CPU worker."""
+    if c.launch.nproc_per_node:
+        return c.launch.nproc_per_node
+    import torch
+
+    return torch.cuda.device_count() if c.train.device != "cpu" and torch.cuda.is_available() else 1
+
+
+def make_plan(cfg: DictConfig) -> LaunchPlan:
+    c = to_object(cfg)
+    plan = LaunchPlan(
+        nproc_per_node=default_nproc(c),
+        nnodes=c.launch.nnodes,
+        node_rank=c.launch.node_rank,
+        rdzv_endpoint=c.launch.rdzv_endpoint,
+        rdzv_id=c.launch.rdzv_id,
+        max_restarts=c.launch.max_restarts,
+    )
+    if plan.nnodes > 1 and not plan.rdzv_endpoint:
+        raise UserError(
+            f"launch.nnodes is {plan.nnodes} but no rendezvous endpoint is set: pass --rdzv-endpoint HEAD_HOST:PORT "
+            "(the same on every node), or run under SLURM's srun."
+        )
+    check_world_size(c, plan.world_size)
+    if c.train.device == "cuda" or (c.train.device == "auto" and _has_cuda()):
+        import torch
+
+        if plan.nproc_per_node > torch.cuda.device_count():
+            raise UserError(
+                f"{plan.nproc_per_node} workers per node were asked for but this machine has "
+                f"{torch.cuda.device_count()} GPUs; lower --nproc-per-node (launch.nproc_per_node)."
+            )
+    return plan
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def launch(cfg: DictConfig) -> int:
+    """Run the job described by a validated config; returns the process exit code."""
+    from muonrun.data import check_data
+    from muonrun.trainer import run_worker
+
+    plan = make_plan(cfg)
+    c = to_object(cfg)
+    check_data(c)
+    config_yaml = to_yaml(cfg)
+    out = Path(c.output_dir)
+    if plan.node_rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(config_yaml)
+    if plan.in_process:
+        run_worker(config_yaml)
+        return 0
+    return _elastic(plan, config_yaml)
+
+
+def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from muonrun.distributed import free_port
+
+    endpoint = plan.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    lc = LaunchConfig(
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        nproc_per_node=plan.nproc_per_node,
+        run_id=plan.rdzv_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        # The head node hosts the c10d store; the others connect to it.
+        rdzv_configs={"is_host": plan.node_rank == 0} if plan.nnodes > 1 else {},
+        max_restarts=plan.max_restarts,
+        start_method="spawn",
+        monitor_interval=0.5,
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
+    try:
+        elastic_launch(lc, worker_entry)(config_yaml)
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes == {USER_ERROR_EXIT}:
+            return USER_ERROR_EXIT  # the worker already printed the one-paragraph message
+        rank, failure = e.get_first_failure()
+        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        print(f"muonrun: worker rank {rank} failed (exit code {failure.exitcode}).\n{message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def worker_entry(config_yaml: str) -> None:
+    """What each spawned worker runs: a user mistake exits 2 with one paragraph, anything else raises."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from muonrun.trainer import NonFiniteError, run_worker
+
+    try:
+        record(run_worker)(config_yaml)
+    except (UserError, NonFiniteError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"muonrun: {e}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT if isinstance(e, UserError) else 3)

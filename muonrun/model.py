@@ -1,0 +1,179 @@
+"""Model construction: a transformers causal LM built on the meta device, its loss, init and FLOP count.
+
+`muonrun pretrain tiny --dry-run` exercises `build_hf_config`, `build_model` and `flops_per_token`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from muonrun.config import ModelConfig
+from muonrun.errors import UserError
+
+
+def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
+    """The transformers config from `model.name_or_path` or `model.architecture`, with `model.hf` on top."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    extra = dict(m.hf)
+    if m.name_or_path:
+        try:
+            hf = AutoConfig.from_pretrained(m.name_or_path, **extra)
+        except OSError as e:
+            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+            raise UserError(
+                f"model.name_or_path '{m.name_or_path}' could not be loaded"
+                f"{' (HF_HUB_OFFLINE=1 is set)' if offline else ''}: {str(e).splitlines()[0]} "
+                "Point it at a local folder with a config.json, download it beforehand into the Hugging Face "
+                "cache, or describe the architecture inline with model.architecture and model.hf."
+            ) from None
+    else:
+        if m.architecture not in CONFIG_MAPPING:
+            raise UserError(
+                f"model.architecture '{m.architecture}' is not a transformers model type "
+                f"(for example: qwen2, llama, mistral, qwen3)."
+            )
+        try:
+            hf = CONFIG_MAPPING[m.architecture](**extra)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"model.hf does not make a valid {m.architecture} config: {e}") from None
+    if vocab_size is not None and hf.vocab_size < vocab_size:
+        raise UserError(
+            f"The tokenizer has {vocab_size} tokens but the model's vocab_size is {hf.vocab_size}; set "
+            f"model.hf.vocab_size to at least {vocab_size}."
+        )
+    return hf
+
+
+def build_model(m: ModelConfig, hf_config) -> nn.Module:
+    """The causal LM on the meta device (no memory is used until `init_weights`)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation=m.attn_implementation, torch_dtype=torch.float32
+            )
+        except (ValueError, ImportError) as e:
+            raise UserError(f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}") from None
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, found by the model's own `_no_split_modules` class names."""
+    names = {n for mod in model.modules() for n in (getattr(mod, "_no_split_modules", None) or [])}
+    layers = [mod for mod in model.modules() if type(mod).__name__ in names]
+    assert layers, f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder layers"
+    return layers
+
+
+def _seed_for(name: str, seed: int) -> int:
+    """A per-parameter seed, so weights do not depend on the world size or the order of construction."""
+    return seed * 1_000_003 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) -> None:
+    """Initialise every parameter and buffer of a model that was just `to_empty()`-ed.
+
+    Each full tensor is drawn from its own generator on `device` and each rank keeps its shard,
+    so the weights are identical at any world size. Linear and embedding weights ~ N(0, std),
+    biases 0, norm (1-D) weights 1. Buffers (rotary `inv_freq`) are rebuilt from the module's config.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    done: set[int] = set()
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            if id(param) in done:
+                continue  # tied weights
+            done.add(id(param))
+            full_shape = param.shape
+            if p_name == "bias" or (param.ndim == 1 and p_name != "weight"):
+                full = torch.zeros(full_shape, device=device)
+            elif param.ndim == 1:
+                full = torch.ones(full_shape, device=device)
+            else:
+                assert isinstance(module, nn.Linear | nn.Embedding), f"no init rule for {mod_name}.{p_name}"
+                gen = torch.Generator(device=device).manual_seed(_seed_for(f"{mod_name}.{p_name}", seed))
+                full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
+        buffers = dict(module.named_buffers(recurse=False))
+        if buffers:
+            assert hasattr(module, "config"), f"no rule to initialise the buffers of {mod_name}: {list(buffers)}"
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            for b_name, buf in buffers.items():
+                buf.copy_(getattr(fresh, b_name).to(buf.device, buf.dtype))
+
+
+class CausalLMWithLoss(nn.Module):
+    """The root FSDP unit: backbone, then LM head + cross-entropy in chunks of tokens.
+
+    Each chunk's logits are recomputed in backward instead of kept, so the full
+    [tokens x vocab] fp32 logits never exist (151,936-way vocab for Qwen2). `loss_chunk_tokens=0`
+    computes all logits at once.
+    """
+
+    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 8192):
+        super().__init__()
+        self.lm = lm
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.lm.base_model(input_ids=input_ids).last_hidden_state
+        hidden, labels = hidden.flatten(0, 1), labels.flatten()
+        head = self.lm.get_output_embeddings()
+        chunk = self.loss_chunk_tokens or hidden.shape[0]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk):
+            h, y = hidden[start : start + chunk], labels[start : start + chunk]
+            if chunk < hidden.shape[0] and torch.is_grad_enabled():
+                total = total + checkpoint(_head_loss_sum, head, h, y, use_reentrant=False)
+            else:
+                total = total + _head_loss_sum(head, h, y)
+        return total / labels.numel()
+
+
+def _head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return nn.functional.cross_entropy(logits, labels, reduction="sum")
+
+
+def count_params(model: nn.Module) -> dict[str, int]:
+    """Parameter counts (tied weights once): total, embedding, and the rest."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[id(p)] = p.numel()
+    total = sum(seen.values())
+    emb = model.get_input_embeddings().weight.numel()
+    return {"total": total, "embedding": emb, "non_embedding": total - emb}
+
+
+def flops_per_token(hf_config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), counting every matmul.
+
+    Matmul weights: per layer q,k,v,o and the 3 MLP matrices, plus the LM head; attention scores and
+    values add 2 * 2 * seq_len * d_attn per layer in forward, halved because the mask is causal.
+    Embedding lookups, norms and activations are not counted (as in PaLM/torchtitan MFU).
+    """
+    h = hf_config.hidden_size
+    layers = hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    inter = hf_config.intermediate_size
+    attn_proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o and k, v
+    mlp = 3 * h * inter  # gate, up, down
+    matmul_params = layers * (attn_proj + mlp) + h * hf_config.vocab_size
+    attention = layers * 2 * 2 * seq_len * heads * head_dim / 2
+    return 3 * (2 * matmul_params + attention)

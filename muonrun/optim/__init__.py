@@ -1,0 +1,68 @@
+"""Optimizer registry: `optimizer.name` -> a builder that returns the list of torch optimizers.
+
+Built after `fully_shard`, so every parameter is already a DTensor shard. Each param group
+carries `peak_lr`; the trainer sets `lr = peak_lr * schedule(step)` before every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from muonrun.config import OptimizerConfig
+
+
+def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
+    fused = o.fused if o.fused is not None else device_type == "cuda"
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
+
+
+def _adamw_groups(named: list[tuple[str, nn.Parameter]], norm_bias, o: OptimizerConfig) -> list[dict]:
+    """Weight decay on matrices (embeddings and LM head included), never on norms and biases."""
+    groups = [
+        {"params": [p for _, p in named], "weight_decay": o.weight_decay, "peak_lr": o.lr},
+        {"params": [p for _, p in norm_bias], "weight_decay": 0.0, "peak_lr": o.lr},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_adamw(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
+    from muonrun.optim.groups import split_params
+
+    split = split_params(model)
+    return [_adamw(_adamw_groups(split.muon + split.embedding + split.lm_head, split.norm_bias, o), o, device_type)]
+
+
+def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
+    """Muon for the hidden matrices; AdamW, with optimizer.lr/betas/eps/weight_decay, for the rest."""
+    from muonrun.optim.groups import split_params
+    from muonrun.optim.muon import Muon
+
+    m = o.muon
+    split = split_params(model, muon_patterns=m.muon_patterns, adamw_patterns=m.adamw_patterns)
+    weight_decay = m.weight_decay if m.weight_decay is not None else o.weight_decay
+    muon = Muon(
+        [{"params": [p for _, p in split.muon], "peak_lr": m.lr}],
+        lr=m.lr,
+        weight_decay=weight_decay,
+        momentum=m.momentum,
+        nesterov=m.nesterov,
+        ns_coefficients=m.ns_coefficients if m.ns_coefficients != "default" else (3.4445, -4.775, 2.0315),
+        eps=m.eps,
+        ns_steps=m.ns_steps,
+        adjust_lr_fn=m.adjust_lr_fn,
+    )
+    adamw = _adamw(_adamw_groups(split.embedding + split.lm_head, split.norm_bias, o), o, device_type)
+    return [muon, adamw]
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, str], list[torch.optim.Optimizer]]] = {
+    "adamw": build_adamw,
+    "muon": build_muon,
+}
+
+
+def build_optimizers(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
+    return OPTIMIZERS[o.name](model, o, device_type)

@@ -1,0 +1,671 @@
+"""Muon: momentum + Newton–Schulz orthogonalisation, for plain tensors and FSDP2-sharded DTensors.
+
+References
+----------
+- K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (blog, 2024),
+  https://kellerjordan.github.io/posts/muon/ -- the algorithm, the quintic Newton–Schulz
+  coefficients (3.4445, -4.7750, 2.0315) and the ``original`` lr scaling ``sqrt(max(1, A/B))``.
+- J. Liu et al. (Moonshot AI), "Muon is Scalable for LLM Training", arXiv:2502.16982 -- decoupled
+  weight decay and the ``match_rms_adamw`` lr scaling ``0.2 * sqrt(max(A, B))``.
+- N. Amsel et al., "The Polar Express: Optimal Matrix Sign Methods and Their Application to the
+  Muon Algorithm", arXiv:2505.16932 -- per-iteration coefficients (``ns_coefficients="polar_express"``).
+- K. Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv:2504.13074 -- the all-to-all
+  "owner computes" layout used here for sharded parameters and the ``spectral`` lr scaling
+  ``sqrt(A/B)``.
+
+What Muon may touch
+-------------------
+Only the *hidden* 2-D weight matrices of a network (the Linear weights inside the transformer
+blocks). Embeddings, the LM head (tied or not), norm weights, biases and every other 1-D tensor must
+go to AdamW: see ``muonrun.optim.groups.split_params``. This module asserts that every parameter
+it is given is 2-D, but cannot tell an embedding from a hidden matrix by itself.
+
+Reference semantics
+-------------------
+With the same arguments and gradients, :class:`Muon` gives the parameters that
+``torch.optim.Muon`` gives (up to bf16 rounding of the Newton–Schulz products)::
+
+    buf.lerp_(grad, 1 - momentum)                           # B = mu*B + (1-mu)*G
+    u = grad.lerp(buf, momentum) if nesterov else buf       # Nesterov look-ahead
+    O = newton_schulz(u)                                    # bf16
+    p.mul_(1 - lr * weight_decay)                           # decoupled weight decay
+    p.add_(O, alpha=-adjust_lr(lr, adjust_lr_fn, p.shape))
+
+Distributed algorithm (FSDP2 / HSDP)
+------------------------------------
+FSDP2 parameters are DTensors sharded on dim 0 (``torch.chunk`` layout: ``c = ceil(rows/W)`` rows per
+rank, the last ranks may get fewer or none). Every matrix is orthogonalised exactly once per shard
+group:
+
+1. momentum / Nesterov run elementwise on each rank's local rows (``torch._foreach_*``);
+2. same-shaped matrices are grouped, groups are packed into buckets ("megabatches"), and every
+   matrix gets an owner rank, round-robin with a rotating start so the work is balanced;
+3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (bf16, padded to ``c``
+   rows) to j's owner;
+4. the owner reassembles its matrices, strips the padding and runs Newton–Schulz batched
+   (``torch.baddbmm``) over all the matrices of one shape it owns;
+5. a second ``all_to_all_single`` returns each rank its rows of the result, which it applies
+   (weight decay + scaled update) to its local shard.
+
+The collectives are asynchronous and pipelined: while bucket ``b`` is being orthogonalised, the
+exchange for bucket ``b + prefetch`` is in flight. Traffic is about two bf16 copies of a rank's
+shard. On an HSDP mesh ``(dp_replicate, dp_shard)`` the exchange runs over the ``Shard(0)`` mesh
+dimension (gradients are already averaged over the replicate one). Any other placement (e.g. a
+tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
+
+Optimizer state is one ``momentum_buffer`` per matrix with the parameter's type and placement
+(AdamW keeps two), present on every rank, so ``torch.distributed.checkpoint`` works unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:  # torch built without distributed support
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+    Replicate = Shard = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "DEFAULT_NS_COEFFICIENTS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "Muon",
+    "adjust_lr",
+    "newton_schulz",
+    "resolve_ns_coefficients",
+]
+
+DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+DEFAULT_EPS = 1e-7
+DEFAULT_NS_STEPS = 5
+
+# Polar Express, 5 iterations, as published in modded-nanogpt (arXiv:2505.16932). These already carry
+# the paper's safety factor; the input is normalised by ``1.02 * ||X||_F`` instead of ``||X||_F``.
+POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+POLAR_EXPRESS_NORM_SCALE = 1.02
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
+
+NSCoefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]] | str
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure functions
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_ns_coefficients(
+    coefficients: NSCoefficients, steps: int
+) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """Per-iteration ``(a, b, c)`` for ``steps`` iterations and the normalisation scale.
+
+    ``coefficients`` is one ``(a, b, c)`` triple (used every iteration, as in torch.optim.Muon), a
+    sequence of triples (one per iteration, the last one repeated if ``steps`` is longer), or the
+    string ``"polar_express"``.
+    """
+    if steps < 0 or steps >= 100:
+        raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
+    norm_scale = 1.0
+    if isinstance(coefficients, str):
+        if coefficients != "polar_express":
+            raise ValueError(f"unknown ns_coefficients {coefficients!r} (expected a triple or 'polar_express')")
+        table: Sequence = POLAR_EXPRESS_COEFFICIENTS
+        norm_scale = POLAR_EXPRESS_NORM_SCALE
+    elif len(coefficients) == 3 and all(isinstance(x, (int, float)) for x in coefficients):
+        table = [tuple(coefficients)]
+    else:
+        table = [tuple(t) for t in coefficients]
+        if (not table and steps > 0) or any(len(t) != 3 for t in table):
+            raise ValueError("ns_coefficients must be (a, b, c), a sequence of (a, b, c) or 'polar_express'")
+    per_step = tuple(tuple(float(x) for x in table[min(i, len(table) - 1)]) for i in range(steps))
+    return per_step, norm_scale  # type: ignore[return-value]
+
+
+def newton_schulz(
+    G: Tensor,
+    steps: int = DEFAULT_NS_STEPS,
+    coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
+    eps: float = DEFAULT_EPS,
+    *,
+    norm_scale: float | None = None,
+) -> Tensor:
+    """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in bf16.
+
+    ``G`` is a matrix ``[rows, cols]`` or a stack ``[..., rows, cols]`` (every matrix normalised and
+    iterated independently, in one batched matmul per product). Like torch.optim.Muon's
+    ``_zeropower_via_newtonschulz``: cast to bf16, work on the transpose when ``rows > cols``,
+    ``X /= max(||X||_F, eps)``, then per iteration ``A = X X^T; B = b A + c A A; X = a X + B X``.
+    Returns a bf16 tensor of ``G``'s shape (possibly non-contiguous).
+    """
+    per_step, default_scale = resolve_ns_coefficients(coefficients, steps)
+    scale = default_scale if norm_scale is None else norm_scale
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+    rows, cols = G.shape[-2], G.shape[-1]
+    X = G.to(torch.bfloat16)
+    batch_shape = X.shape[:-2]
+    X = X.reshape(-1, rows, cols) if G.ndim != 3 else X
+    transpose = rows > cols
+    if transpose:
+        X = X.mT
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    if scale != 1.0:
+        norm = norm * scale
+    X = X / norm.clamp(min=eps)  # new tensor: never writes into G
+    for a, b, c in per_step:
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    if transpose:
+        X = X.mT
+    return X.reshape(*batch_shape, rows, cols) if G.ndim != 3 else X
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """Scale ``lr`` for a matrix of ``shape = (A, B)`` (A = rows = fan-out, B = cols = fan-in).
+
+    - ``None`` or ``"original"`` (KellerJordan, torch's default): ``lr * sqrt(max(1, A / B))``
+    - ``"match_rms_adamw"`` (Moonlight): ``lr * 0.2 * sqrt(max(A, B))``
+    - ``"spectral"`` (dion's spectral-norm scaling): ``lr * sqrt(A / B)``
+    """
+    A, B = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, A / B))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(A, B))
+    elif adjust_lr_fn == "spectral":
+        ratio = math.sqrt(A / B)
+    else:
+        raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {ADJUST_LR_FNS}")
+    return lr * ratio
+
+
+# --------------------------------------------------------------------------------------------------
+# Sharding inspection
+# --------------------------------------------------------------------------------------------------
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local tensor of a DTensor (a view sharing storage), or the tensor itself."""
+    if DTensor is not None and isinstance(t, DTensor):
+        return t._local_tensor
+    return t
+
+
+@dataclass(frozen=True)
+class _ShardInfo:
+    group: Any  # ProcessGroup of the Shard(0) mesh dim, or None when the full matrix is local
+    world: int
+    rank: int
+
+
+_LOCAL = _ShardInfo(None, 1, 0)
+
+
+def _shard_info(p: Tensor, name: str) -> _ShardInfo:
+    """Where a parameter's rows live. Raises ValueError for any layout but (Replicate*, Shard(0))."""
+    if DTensor is None or not isinstance(p, DTensor):
+        return _LOCAL
+    mesh = p.device_mesh
+    shard_dims = []
+    for mesh_dim, pl in enumerate(p.placements):
+        if isinstance(pl, Replicate):
+            continue
+        if type(pl) is Shard and pl.dim == 0:
+            shard_dims.append(mesh_dim)
+            continue
+        raise ValueError(
+            f"Muon: parameter {name} has placements {p.placements} on mesh {mesh}; only FSDP/HSDP "
+            "layouts (Replicate() and one Shard(0)) are supported. Tensor-parallel or partial "
+            "placements are not."
+        )
+    if not shard_dims:
+        return _LOCAL
+    if len(shard_dims) > 1:
+        raise ValueError(
+            f"Muon: parameter {name} is sharded on dim 0 over several mesh dims {p.placements}; "
+            "flatten them into one mesh dim."
+        )
+    md = shard_dims[0]
+    world = mesh.size(md)
+    if world == 1:
+        return _LOCAL
+    return _ShardInfo(mesh.get_group(md), world, mesh.get_local_rank(md))
+
+
+def _chunk_rows(rows: int, world: int) -> int:
+    return -(-rows // world)
+
+
+def _local_rows(rows: int, world: int, rank: int) -> int:
+    c = _chunk_rows(rows, world)
+    return max(0, min(rows, (rank + 1) * c) - rank * c)
+
+
+def _to_float(x: float | Tensor) -> float:
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan: buckets, owners, offsets. Built once per set of parameters, identical on every rank.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    param: Tensor
+    group_index: int
+    rows: int
+    cols: int
+    chunk: int  # rows per rank slab (ceil(rows / world)); == rows when local
+    local_rows: int
+    owner: int = 0
+    offset: int = 0  # element offset of this rank's slab in the bucket's send/receive buffer
+
+
+@dataclass
+class _Owned:
+    """Matrices of one shape that this rank owns in a bucket (one batched Newton–Schulz)."""
+
+    rows: int
+    cols: int
+    chunk: int
+    count: int
+    offset: int  # element offset inside each source's segment of the owner buffer
+
+
+@dataclass
+class _Bucket:
+    items: list[_Item]  # ordered by owner, then shape
+    send_splits: list[int]
+    recv_splits: list[int]
+    send_numel: int
+    recv_numel: int
+    owned: list[_Owned]
+    per_source: int  # elements per source in the owner buffer
+
+
+@dataclass
+class _Partition:
+    shard: _ShardInfo
+    ns: tuple  # (per-step coefficients, eps, norm_scale)
+    device: torch.device
+    buckets: list[_Bucket] = field(default_factory=list)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for hidden 2-D matrices: plain tensors, FSDP2 (Shard(0)) and HSDP DTensors.
+
+    Arguments mirror ``torch.optim.Muon`` (same defaults). Extra:
+
+    - ``ns_coefficients`` may also be a sequence of per-iteration triples or ``"polar_express"``;
+    - ``adjust_lr_fn`` also accepts ``"spectral"`` (``lr * sqrt(A/B)``);
+    - ``process_group``: unused by the sharded path, which reads the shard group from each DTensor's
+      device mesh; kept for API symmetry and checked to be consistent when given;
+    - ``bucket_numel``: elements (full matrices) per communication/Newton–Schulz bucket;
+    - ``prefetch``: how many buckets' all-to-alls are in flight ahead of the one being computed.
+
+    ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``) and
+    all-to-all collectives issued (``"all_to_all"``), cumulatively over steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
+        eps: float = DEFAULT_EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        process_group: Any = None,
+        bucket_numel: int = 1 << 26,
+        prefetch: int = 2,
+    ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= _to_float(lr):
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        if bucket_numel < 1 or prefetch < 1:
+            raise ValueError("bucket_numel and prefetch must be >= 1")
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.bucket_numel = int(bucket_numel)
+        self.prefetch = int(prefetch)
+        self.stats = {"orthogonalized": 0, "all_to_all": 0}
+        self._plan: list[_Partition] | None = None
+        self._plan_key: tuple | None = None
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(gi, group)
+
+    # -- validation --------------------------------------------------------------------------------
+
+    def _param_name(self, gi: int, i: int, p: Tensor) -> str:
+        names = self.param_groups[gi].get("param_names") if gi < len(self.param_groups) else None
+        base = names[i] if names and i < len(names) else f"param_groups[{gi}]['params'][{i}]"
+        return f"{base} (shape {tuple(p.shape)})"
+
+    def _check_group(self, gi: int, group: dict) -> None:
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+        resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+        for i, p in enumerate(group["params"]):
+            name = self._param_name(gi, i, p)
+            if p.ndim != 2:
+                raise ValueError(
+                    f"Muon only supports 2D parameters whereas we found {name}. Embeddings, the LM head, "
+                    "norms and biases belong to AdamW (see muonrun.optim.groups.split_params)."
+                )
+            if torch.is_complex(p):
+                raise ValueError(f"Muon does not support complex parameters ({name})")
+            info = _shard_info(p, name)
+            if self.process_group is not None and info.group is not None and info.world != dist.get_world_size(
+                self.process_group
+            ):
+                raise ValueError(f"{name}: its shard group differs from process_group")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "stats"):  # not during __init__
+            self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+            self._plan = None
+
+    # -- plan ----------------------------------------------------------------------------------------
+
+    def _build_plan(self, active: list[tuple[int, int, Tensor]]) -> list[_Partition]:
+        partitions: dict[tuple, _Partition] = {}
+        shape_order: dict[tuple, dict[tuple[int, int], list[_Item]]] = {}
+        for gi, i, p in active:
+            group = self.param_groups[gi]
+            info = _shard_info(p, self._param_name(gi, i, p))
+            per_step, norm_scale = resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+            ns = (per_step, float(group["eps"]), norm_scale)
+            key = (id(info.group), ns)
+            if key not in partitions:
+                partitions[key] = _Partition(info, ns, _local(p).device)
+                shape_order[key] = {}
+            rows, cols = p.shape
+            local = _local(p)
+            if info.world > 1:
+                n_local = _local_rows(rows, info.world, info.rank)
+                if local.shape[0] != n_local or local.shape[1] != cols:
+                    raise ValueError(
+                        f"{self._param_name(gi, i, p)}: local shard {tuple(local.shape)} is not the "
+                        f"torch.chunk layout ({n_local} rows expected on shard rank {info.rank})"
+                    )
+                chunk = _chunk_rows(rows, info.world)
+            else:
+                n_local = chunk = rows
+            item = _Item(p, gi, rows, cols, chunk, n_local)
+            shape_order[key].setdefault((rows, cols), []).append(item)
+
+        for key, part in partitions.items():
+            W, me = part.shard.world, part.shard.rank
+            # Split each shape group into pieces of a multiple of W matrices that fit the bucket size,
+            # then pack pieces into buckets.
+            buckets: list[list[_Item]] = []
+            current: list[_Item] = []
+            current_numel = 0
+            counter = 0  # rotating owner start, so partial chunks don't all land on rank 0
+            for (rows, cols), items in shape_order[key].items():
+                size = rows * cols
+                per_piece = max(W, (self.bucket_numel // max(size, 1)) // W * W)
+                for s in range(0, len(items), per_piece):
+                    piece = items[s : s + per_piece]
+                    for j, it in enumerate(piece):
+                        it.owner = (counter + j) % W
+                    counter = (counter + len(piece)) % W
+                    piece_numel = size * len(piece)
+                    if current and current_numel + piece_numel > self.bucket_numel:
+                        buckets.append(current)
+                        current, current_numel = [], 0
+                    current.extend(piece)
+                    current_numel += piece_numel
+            if current:
+                buckets.append(current)
+
+            for bitems in buckets:
+                shapes = list(dict.fromkeys((it.rows, it.cols) for it in bitems))
+                rank_of_shape = {s: k for k, s in enumerate(shapes)}
+                # stable sort: by owner, then shape, keeping parameter order inside
+                bitems = sorted(bitems, key=lambda it: (it.owner, rank_of_shape[(it.rows, it.cols)]))
+                send_splits = [0] * W
+                offset = 0
+                for it in bitems:
+                    it.offset = offset
+                    n = it.chunk * it.cols
+                    send_splits[it.owner] += n
+                    offset += n
+                per_source = send_splits[me]
+                owned: list[_Owned] = []
+                seg = 0
+                for it in bitems:
+                    if it.owner != me:
+                        continue
+                    if owned and (owned[-1].rows, owned[-1].cols) == (it.rows, it.cols):
+                        owned[-1].count += 1
+                    else:
+                        owned.append(_Owned(it.rows, it.cols, it.chunk, 1, seg))
+                    seg += it.chunk * it.cols
+                part.buckets.append(
+                    _Bucket(
+                        items=bitems,
+                        send_splits=send_splits,
+                        recv_splits=[per_source] * W,
+                        send_numel=offset,
+                        recv_numel=per_source * W,
+                        owned=owned,
+                        per_source=per_source,
+                    )
+                )
+        plan = list(partitions.values())
+        self._verify_plan(plan)
+        return plan
+
+    def _verify_plan(self, plan: list[_Partition]) -> None:
+        """Once per plan: check that every rank of each shard group built the same buckets.
+
+        This is the only host synchronisation of the optimizer and runs only when the set of
+        parameters with gradients changes (normally once, at the first step).
+        """
+        for part in plan:
+            if part.shard.group is None:
+                continue
+            sig = [len(part.buckets)]
+            for b in part.buckets:
+                sig.append(len(b.items))
+                sig.append(sum(it.rows * 1_000_003 + it.cols for it in b.items) % (1 << 30))
+            h = 0
+            for x in sig:
+                h = (h * 1_000_000_007 + x) % (1 << 61)
+            t = torch.tensor([h, -h], dtype=torch.int64, device=part.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=part.shard.group)
+            if int(t[0]) != h or int(t[1]) != -h:
+                raise RuntimeError(
+                    "Muon: ranks of a shard group disagree on which parameters have gradients or on their "
+                    "shapes; every rank must step the same matrices (a grad that is None on one rank must "
+                    "be None on all)."
+                )
+
+    def _get_plan(self) -> list[_Partition]:
+        active = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    active.append((gi, i, p))
+        key = tuple((gi, id(p)) for gi, _, p in active)
+        if self._plan is None or key != self._plan_key:
+            self._plan = self._build_plan(active)
+            self._plan_key = key
+        return self._plan
+
+    # -- step ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs a single optimization step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._get_plan()
+        hyper = []
+        for group in self.param_groups:
+            hyper.append(
+                (
+                    _to_float(group["lr"]),
+                    float(group["weight_decay"]),
+                    float(group["momentum"]),
+                    bool(group["nesterov"]),
+                    group["adjust_lr_fn"],
+                )
+            )
+        for part in plan:
+            self._step_partition(part, hyper)
+        return loss
+
+    def _momentum_buffer(self, p: Tensor) -> Tensor:
+        state = self.state[p]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["momentum_buffer"] = buf
+        return buf
+
+    def _prepare(self, part: _Partition, bucket: _Bucket, hyper) -> Tensor:
+        """Momentum on local rows; writes the bf16 (padded) slabs into the send buffer."""
+        send = torch.empty(bucket.send_numel, dtype=torch.bfloat16, device=part.device)
+        by_group: dict[int, tuple[list, list, list]] = {}
+        for it in bucket.items:
+            p = it.param
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            bufs, grads, dsts = by_group.setdefault(it.group_index, ([], [], []))
+            bufs.append(_local(self._momentum_buffer(p)))
+            grads.append(_local(p.grad))
+            dsts.append(send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols))
+        for gi, (bufs, grads, dsts) in by_group.items():
+            _, _, momentum, nesterov, _ = hyper[gi]
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            upd = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
+            torch._foreach_copy_(dsts, upd)
+        return send
+
+    def _orthogonalize(self, part: _Partition, bucket: _Bucket, recv: Tensor) -> None:
+        """Owner side: reassemble owned matrices from ``recv``, Newton–Schulz, write results back."""
+        W = part.shard.world
+        per_step, eps, norm_scale = part.ns
+        grid = recv.view(W, bucket.per_source)
+        for own in bucket.owned:
+            k, R, C, c = own.count, own.rows, own.cols, own.chunk
+            slabs = grid[:, own.offset : own.offset + k * c * C].view(W, k, c, C)
+            if W == 1:
+                X = slabs[0][:, :R]
+            else:
+                full = torch.empty(k, W * c, C, dtype=torch.bfloat16, device=recv.device)
+                full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
+                X = full[:, :R]
+            O = newton_schulz(X, len(per_step), per_step, eps, norm_scale=norm_scale)
+            if W * c == R:
+                slabs.copy_(O.reshape(k, W, c, C).transpose(0, 1))
+            else:
+                nfull, rem = divmod(R, c)
+                if nfull:
+                    slabs[:nfull].copy_(O[:, : nfull * c].reshape(k, nfull, c, C).transpose(0, 1))
+                if rem:
+                    slabs[nfull, :, :rem].copy_(O[:, nfull * c :])
+            self.stats["orthogonalized"] += k
+
+    def _apply(self, bucket: _Bucket, result: Tensor, hyper) -> None:
+        """Weight decay and the scaled update on this rank's rows."""
+        decay: dict[int, list[Tensor]] = {}
+        updates: dict[tuple, tuple[list, list]] = {}
+        for it in bucket.items:
+            p = _local(it.param)
+            lr, wd, _, _, fn = hyper[it.group_index]
+            decay.setdefault(it.group_index, []).append(p)
+            u = result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
+            ps, us = updates.setdefault((it.group_index, it.rows, it.cols), ([], []))
+            ps.append(p)
+            us.append(u)
+        for gi, ps in decay.items():
+            lr, wd = hyper[gi][0], hyper[gi][1]
+            factor = 1 - lr * wd
+            if factor != 1.0:
+                torch._foreach_mul_(ps, factor)
+        for (gi, rows, cols), (ps, us) in updates.items():
+            lr, fn = hyper[gi][0], hyper[gi][4]
+            torch._foreach_add_(ps, us, alpha=-adjust_lr(lr, fn, (rows, cols)))
+
+    def _step_partition(self, part: _Partition, hyper) -> None:
+        W = part.shard.world
+        pg = part.shard.group
+        buckets = part.buckets
+        if W == 1:
+            for b in buckets:
+                buf = self._prepare(part, b, hyper)
+                self._orthogonalize(part, b, buf)
+                self._apply(b, buf, hyper)
+            return
+
+        def launch_forward(b: _Bucket):
+            send = self._prepare(part, b, hyper)
+            recv = torch.empty(b.recv_numel, dtype=torch.bfloat16, device=part.device)
+            work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, group=pg, async_op=True)
+            self.stats["all_to_all"] += 1
+            return send, recv, work
+
+        inflight: dict[int, tuple] = {}
+        for j in range(min(self.prefetch, len(buckets))):
+            inflight[j] = launch_forward(buckets[j])
+        returning: list[tuple] = []
+        for j, b in enumerate(buckets):
+            send, recv, work = inflight.pop(j)
+            work.wait()
+            self._orthogonalize(part, b, recv)
+            # send buffer is free again (its forward exchange is complete): receive the results there
+            back = dist.all_to_all_single(send, recv, b.send_splits, b.recv_splits, group=pg, async_op=True)
+            self.stats["all_to_all"] += 1
+            returning.append((b, send, recv, back))
+            nxt = j + self.prefetch
+            if nxt < len(buckets):
+                inflight[nxt] = launch_forward(buckets[nxt])
+            # apply what came back while later buckets are still in flight
+            while len(returning) > 1:
+                rb, rsend, _, rwork = returning.pop(0)
+                rwork.wait()
+                self._apply(rb, rsend, hyper)
+        for rb, rsend, _, rwork in returning:
+            rwork.wait()
+            self._apply(rb, rsend, hyper)

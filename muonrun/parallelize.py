@@ -1,0 +1,57 @@
+"""Activation checkpointing, torch.compile and FSDP2 for a model on the meta device.
+
+Order matters (as in torchtitan): checkpoint and compile each decoder layer first, then
+`fully_shard` each layer, then the root (embedding, final norm and the possibly tied LM head).
+Parameter names never change: the wrappers patch `forward` in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from muonrun.config import ParallelConfig
+from muonrun.model import decoder_layers
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> None:
+    """`full`: recompute every layer in backward; `selective`: every other layer (half the saving,
+    a third less recompute)."""
+    if mode == "none":
+        return
+    for i, layer in enumerate(layers):
+        if mode == "full" or i % 2 == 0:
+            # Patching the instance's forward keeps FSDP2's hooks (on __call__) outside the recompute.
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def apply_compile(layers: list[nn.Module]) -> None:
+    """Compile each decoder layer separately: identical layers share one compiled graph."""
+    for layer in layers:
+        layer.compile()
+
+
+def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, p: ParallelConfig, device_type: str):
+    param_dtype = DTYPES.get(p.param_dtype) or (torch.bfloat16 if device_type == "cuda" else torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[p.reduce_dtype])
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again right away by backward: keep them gathered.
+        reshard = p.reshard_after_forward and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=p.reshard_after_forward)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig, device_type: str) -> nn.Module:
+    layers = decoder_layers(model)
+    apply_activation_checkpointing(layers, p.activation_checkpointing)
+    if p.compile:
+        apply_compile(layers)
+    apply_fsdp(model, layers, mesh, p, device_type)
+    return model

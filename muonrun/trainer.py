@@ -1,0 +1,165 @@
+"""The training worker: wires the parts in data-flow order, then loops.
+
+Run one worker in-process with:  muonrun pretrain tiny --nproc-per-node 1 train.max_steps=20
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from muonrun.checkpoint import Checkpointer
+from muonrun.config import Config
+from muonrun.data import build_loader, build_tokenizer
+from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
+from muonrun.metrics import Metrics
+from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
+from muonrun.optim import build_optimizers
+from muonrun.parallelize import parallelize
+from muonrun.schedule import lr_multiplier
+
+
+class NonFiniteError(RuntimeError):
+    """Loss or gradient norm became NaN/inf; raised before the optimizer step touches the weights."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps completed."""
+    tokens_seen: int = 0
+    """Training tokens consumed by all ranks together."""
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.dist: Dist = init_distributed(cfg)
+        device_type = pick_device_type(cfg)
+        torch.manual_seed(cfg.train.seed)
+
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.hf_config = build_hf_config(cfg.model, self.tokenizer.vocab_size)
+        self.model = CausalLMWithLoss(build_model(cfg.model, self.hf_config), cfg.train.loss_chunk_tokens)
+        parallelize(self.model, self.dist.mesh, cfg.parallel, device_type)
+        self.model.to_empty(device=self.dist.device)
+        init_weights(self.model, self.hf_config.initializer_range, cfg.train.seed, self.dist.device)
+        self.optimizers = build_optimizers(self.model, cfg.optimizer, device_type)
+
+        # Every rank is a data-parallel rank: HSDP replicas and FSDP shards all read different data.
+        self.loader = build_loader(cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size)
+        self.eval_loader = (
+            build_loader(cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size, split="eval")
+            if cfg.train.eval_interval
+            else None
+        )
+        self.state = TrainState()
+        self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+        self.checkpointer = Checkpointer(cfg, self.dist)
+        self.checkpointer.load(self)
+        self.metrics = Metrics(
+            cfg,
+            self.dist,
+            flops_per_token=flops_per_token(self.hf_config, cfg.data.seq_len),
+            model=self.model.lm,
+        )
+
+    def set_lr(self) -> float:
+        multiplier = lr_multiplier(self.state.step + 1, self.cfg.schedule, self.cfg.train.max_steps)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["peak_lr"] * multiplier
+        return multiplier
+
+    def next_batch(self) -> tuple[dict[str, torch.Tensor], float]:
+        start = time.perf_counter()
+        batch = next(self.loader)
+        wait = time.perf_counter() - start
+        return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}, wait
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over grad_accum_steps micro-batches. Returns (loss, grad norm, data wait s)
+        as device tensors: nothing here waits for the GPU except the finiteness check."""
+        accum = self.cfg.train.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.dist.device)
+        data_wait = 0.0
+        for _ in range(accum):
+            batch, wait = self.next_batch()
+            data_wait += wait
+            loss = self.model(batch["input_ids"], batch["labels"]) / accum
+            loss.backward()
+            loss_sum += loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        # The global norm is the same on every rank, so every rank stops together.
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteError(
+                f"Gradient norm is {grad_norm.item()} at step {self.state.step + 1} (loss {loss_sum.item():.4f} on "
+                f"rank {self.dist.rank}); stopped before the optimizer step. The last checkpoint is intact: lower "
+                "the learning rate or raise warmup, then resume."
+            )
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm, data_wait
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        losses = [self.model(b["input_ids"].to(self.dist.device), b["labels"].to(self.dist.device)) for b in self.eval_loader]
+        self.model.train()
+        loss = all_reduce_mean(torch.stack(losses).mean()).item()
+        return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp())}
+
+    def train(self) -> None:
+        cfg = self.cfg
+        self.model.train()
+        self.metrics.start(self.state)
+        while self.state.step < cfg.train.max_steps:
+            lr_mult = self.set_lr()
+            loss, grad_norm, data_wait = self.train_step()
+            self.state.step += 1
+            self.state.tokens_seen += self.tokens_per_step * self.dist.world_size
+            step = self.state.step
+            log_now = step % cfg.logging.log_interval == 0 or step == cfg.train.max_steps
+            self.metrics.record(self.state, loss, grad_norm, lr_mult, data_wait, self.optimizers, log=log_now)
+            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
+                self.metrics.log_eval(self.state, self.evaluate())
+            if self.checkpointer.due(step):
+                self.checkpointer.save(self)
+            if self.checkpointer.stop_requested():
+                if not self.checkpointer.has(step):
+                    self.checkpointer.save(self)
+                self.metrics.note(f"Stopped by signal after step {step}; checkpoint saved. Rerun to resume.")
+                return
+        if cfg.checkpoint.save_at_end and not self.checkpointer.has(self.state.step):
+            self.checkpointer.save(self)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.checkpointer.close()
+
+
+def run_worker(config_yaml: str) -> None:
+    """Entry point of every worker process (and of the single in-process worker)."""
+    from muonrun.config import from_yaml, to_object
+    from muonrun.distributed import destroy
+
+    cfg = to_object(from_yaml(config_yaml))
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        destroy()
