@@ -48,17 +48,21 @@ class ModelConfig:
 @dataclass
 class SourceConfig:
     path: str = "???"
-    """Hub dataset id (e.g. allenai/c4) or local file, folder or glob (jsonl, json, parquet, arrow, txt, py)."""
+    """Hub dataset id (e.g. allenai/c4) or local file, folder or glob (`**` recurses). Files are read by
+    extension: .jsonl/.json/.parquet/.arrow/.csv (optionally .gz/.bz2/.xz/.zst) as tables, every other
+    file (.txt, .py, .md, ...) as ONE document per file, UTF-8. Folders skip hidden files and binaries."""
     name: str | None = None
     """Hub dataset configuration name (e.g. `en` for allenai/c4)."""
     split: str = "train"
-    """Dataset split to read."""
+    """Dataset split to read; slices work too (`train[:95%]`, `train[-1000:]`). Local files form `train`."""
     text_field: str = "text"
-    """Column holding the document text."""
+    """Column holding the document text (tables and Hub datasets; plain text files have no columns)."""
     weight: float = 1.0
-    """Mixture weight relative to the other sources."""
+    """Mixture weight (> 0): the source's share of training windows is weight / sum of weights. Within an
+    epoch a source is repeated or subsampled to its share (a different subset each epoch)."""
     streaming: bool = False
-    """Stream the dataset instead of downloading it whole (for very large Hub datasets)."""
+    """Stream the dataset instead of downloading and caching it whole (for very large Hub datasets). When
+    any source of a list streams, the whole list streams; resume then needs the same data-parallel size."""
 
 
 @dataclass
@@ -66,17 +70,21 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     """Training text sources (at least one)."""
     eval_sources: list[SourceConfig] = field(default_factory=list)
-    """Held-out sources evaluated every `train.eval_interval` steps (optional)."""
+    """Held-out sources evaluated every `train.eval_interval` steps (optional): the same fixed
+    `train.eval_steps` batches per rank each time."""
     tokenizer: str = "byte"
     """`byte` (built-in byte-level tokenizer, no download) or a Hub id / local folder for AutoTokenizer."""
     seq_len: int = 2048
-    """Tokens per training sequence; documents are packed into windows of this length."""
+    """Tokens per training sequence; documents (each followed by EOS) are packed into windows of this length."""
     num_proc: int = 1
     """Processes for tokenizing map-style datasets."""
     cache_dir: str | None = None
-    """Folder for tokenized, packed caches (`muonrun prepare`). None: `~/.cache/muonrun`."""
+    """Folder for tokenized caches (`muonrun prepare`). None: $MUONRUN_CACHE, else `~/.cache/muonrun`."""
     shuffle: bool = True
     """Shuffle the packed windows (seeded by train.seed)."""
+    shuffle_buffer: int = 10000
+    """Streaming only: documents read, shuffled and tokenized together per rank (a block). Resume re-reads
+    the current block, so larger blocks shuffle better but resume slower."""
 
 
 @dataclass
@@ -282,7 +290,7 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         bases = [bases]
     layers = []
     for base in bases:
-        base_path = (path.parent / base).with_suffix(".yaml") if not str(base).endswith(".yaml") else path.parent / base
+        base_path = path.parent / (base if str(base).endswith(".yaml") else f"{base}.yaml")
         if not base_path.is_file():
             raise UserError(f"Config file '{path}' lists '{base}' under `defaults:`, but '{base_path}' does not exist.")
         layers.append(_load_yaml(base_path, (*seen, path)))

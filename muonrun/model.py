@@ -57,7 +57,7 @@ def build_model(m: ModelConfig, hf_config) -> nn.Module:
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(
-                hf_config, attn_implementation=m.attn_implementation, torch_dtype=torch.float32
+                hf_config, attn_implementation=m.attn_implementation, dtype=torch.float32
             )
         except (ValueError, ImportError) as e:
             raise UserError(f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}") from None

@@ -1,0 +1,71 @@
+"""The command line in-process (Typer's runner): help, version, config show, dry runs, exit codes."""
+
+import pytest
+from typer.testing import CliRunner
+
+from muonrun import __version__
+from muonrun.cli import app
+from muonrun.config import PRESET_DIR
+
+runner = CliRunner()
+PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def test_help_lists_the_commands():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("pretrain", "config", "prepare"):
+        assert command in result.output
+    result = runner.invoke(app, ["pretrain", "--help"])
+    assert result.exit_code == 0
+    for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "--dry-run"):
+        assert flag in result.output
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_config_show_applies_overrides():
+    result = runner.invoke(app, ["config", "show", "tiny", "train.max_steps=9", "optimizer.name=muon"])
+    assert result.exit_code == 0
+    assert "max_steps: 9" in result.output and "name: muon" in result.output
+
+
+def test_config_docs_is_a_reference():
+    result = runner.invoke(app, ["config", "docs"])
+    assert result.exit_code == 0
+    assert "| `optimizer.muon.adjust_lr_fn` |" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["config", "show", "tiny", "train.max_stepz=3"], "Did you mean"),
+        (["config", "show", "missing-preset"], "does not exist"),
+        (["pretrain", "tiny", "--dry-run", "parallel.dp_replicate=3", "--world-size", "4"], "does not fit a world of 4"),
+        (["pretrain", "tiny", "--dry-run", "model.hf.vocab_size=abc"], "model.hf.vocab_size"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_passes_dry_run(preset):
+    result = runner.invoke(app, ["pretrain", preset, "--dry-run", "--world-size", "8"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "FLOPs/token" in out and "world size 8" in out
+
+
+def test_dry_run_plans_a_large_world_and_counts_qwen2():
+    result = runner.invoke(app, ["pretrain", "qwen2-muon-fsdp2", "--dry-run", "--world-size", "256"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "494,032,768" in out  # Qwen2.5-0.5B with tied embeddings
+    assert "dp_shard=256" in out and "params in Muon" in out

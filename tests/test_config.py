@@ -1,0 +1,90 @@
+"""Config precedence, presets and error messages (no workers are started)."""
+
+import pytest
+
+from muonrun.config import PRESET_DIR, check_world_size, field_docs, load_config, to_object
+from muonrun.errors import UserError
+
+PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def test_precedence_schema_preset_override(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("train:\n  max_steps: 7\n  seed: 1\ndata:\n  sources: [{path: x}]\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("defaults: [base]\ntrain:\n  seed: 2\nname: child\n")
+    c = to_object(load_config(child, ["train.seed=3"]))
+    assert c.train.max_steps == 7  # from the base file
+    assert c.train.seed == 3  # override beats preset beats base
+    assert c.train.micro_batch_size == 1  # schema default
+    assert c.output_dir == "runs/child"  # interpolation of ${name}
+
+
+def test_open_section_accepts_plus_keys():
+    c = to_object(load_config("tiny", ["+model.hf.rope_theta=10000.0"]))
+    assert c.model.hf["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["train.max_stepz=3"], r"Unknown config key 'train.max_stepz'.*Did you mean 'train.max_steps'"),
+        (["train.max_steps=abc"], r"'train.max_steps'.*wrong type"),
+        (["train.max_steps"], r"Override 'train.max_steps' is malformed"),
+        (["train.micro_batch_size=0"], r"'train.micro_batch_size' is 0; it must be at least 1"),
+        (["optimizer.name=sgd"], r"'optimizer.name' is 'sgd'; choose one of: adamw, muon"),
+        (["schedule.name=step"], r"'schedule.name' is 'step'"),
+        (["checkpoint.keep_last=1"], r"keep at least 2"),
+        (["launch.node_rank=3"], r"'launch.node_rank' is 3"),
+        (["model.init=pretrained"], r"'model.name_or_path' is not set"),
+    ],
+)
+def test_bad_input_names_the_key(overrides, match):
+    with pytest.raises(UserError, match=match):
+        load_config("tiny", overrides)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(UserError, match=r"'.*nope.yaml' does not exist.*tiny"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(bad)
+    missing_base = tmp_path / "child.yaml"
+    missing_base.write_text("defaults: [nothere]\n")
+    with pytest.raises(UserError, match="nothere"):
+        load_config(missing_base)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("trian:\n  max_steps: 3\n")
+    with pytest.raises(UserError, match=r"Unknown config key 'trian'.*Did you mean 'train'"):
+        load_config(unknown)
+
+
+def test_world_size_check():
+    c = to_object(load_config("tiny", ["parallel.dp_replicate=2"]))
+    assert check_world_size(c, 4) == (2, 2)
+    with pytest.raises(UserError, match="does not fit a world of 3"):
+        check_world_size(c, 3)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_resolve(preset):
+    c = to_object(load_config(preset))
+    assert c.data.sources and c.train.max_steps > 0
+
+
+def test_qwen2_presets_share_the_recipe():
+    adamw = to_object(load_config("qwen2-adamw-fsdp2"))
+    muon = to_object(load_config("qwen2-muon-fsdp2"))
+    assert adamw.model == muon.model and adamw.data == muon.data and adamw.train == muon.train
+    assert (adamw.optimizer.name, muon.optimizer.name) == ("adamw", "muon")
+    assert adamw.optimizer.lr == 2e-4 and muon.optimizer.muon.lr == 0.02
+    assert adamw.data.seq_len == 2048 and adamw.train.micro_batch_size == 4 and adamw.train.max_steps == 305
+
+
+def test_every_field_is_documented():
+    docs = field_docs()
+    assert "train.max_steps" in docs and "data.sources[].path" in docs
+    undocumented = [k for k, (_, _, doc) in docs.items() if not doc]
+    assert not undocumented, undocumented
