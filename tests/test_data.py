@@ -1,0 +1,430 @@
+"""Data pipeline: packing, sharding, resume (map-style and streaming), cache, tokenizers, user errors.
+
+Everything is made in tmp_path; nothing touches the network (the Hub is forced offline).
+Run: pytest tests/test_data.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+from muonrun.config import Config, DataConfig, SourceConfig, TrainConfig
+from muonrun.data import build_loader, build_tokenizer, check_data, ensure_cached, prepare
+from muonrun.data import cache as cache_mod
+from muonrun.errors import UserError
+
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "ü",
+    "café",
+    "数据",
+    "λ",
+    "ok",
+]
+
+
+@pytest.fixture(autouse=True)
+def _offline_and_private_caches(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    monkeypatch.setenv("MUONRUN_CACHE", str(tmp_path / "muonrun-cache"))
+    datasets.disable_progress_bars()
+
+
+def docs(n: int, seed: int = 0, prefix: str = "") -> list[str]:
+    rng = random.Random(seed)
+    return [f"{prefix}{i} " + " ".join(rng.choices(WORDS, k=rng.randint(1, 30))) for i in range(n)]
+
+
+def write_jsonl(path, texts, field="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({field: t, "id": i}, ensure_ascii=False) + "\n")
+    return str(path)
+
+
+def make_cfg(sources, seq_len=16, batch=2, eval_sources=(), seed=0, eval_steps=3, **data):
+    as_src = [s if isinstance(s, SourceConfig) else SourceConfig(path=s) for s in sources]
+    evals = [s if isinstance(s, SourceConfig) else SourceConfig(path=s) for s in eval_sources]
+    return Config(
+        data=DataConfig(sources=as_src, eval_sources=evals, seq_len=seq_len, **data),
+        train=TrainConfig(micro_batch_size=batch, seed=seed, eval_steps=eval_steps),
+    )
+
+
+def byte_stream(texts) -> np.ndarray:
+    return np.concatenate(
+        [np.append(np.frombuffer(t.encode(), np.uint8).astype(np.int64), 256) for t in texts]
+    )
+
+
+def rows(batch) -> np.ndarray:
+    """The full windows of a batch (inputs plus the last label), [B, T+1]."""
+    return np.concatenate([batch["input_ids"].numpy(), batch["labels"].numpy()[:, -1:]], axis=1)
+
+
+def take(loader, n) -> list[np.ndarray]:
+    return [rows(next(loader)) for _ in range(n)]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    texts = docs(80)
+    return texts, write_jsonl(tmp_path / "corpus.jsonl", texts)
+
+
+# -- tokenizers -------------------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = build_tokenizer("byte")
+    assert (tok.vocab_size, tok.eos_token_id) == (257, 256)
+    texts = ["héllo 数据 λ", "", "plain"]
+    ids = tok.encode_batch(texts)
+    assert [tok.decode(x) for x in ids] == texts
+    flat, lens = tok.encode_docs(texts)
+    assert flat.tolist() == [t for x in ids for t in [*x, 256]]
+    assert lens.tolist() == [len(x) + 1 for x in ids]
+
+
+@pytest.fixture
+def hf_tokenizer_dir(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"], show_progress=False)
+    raw.train_from_iterator(docs(200, seed=1), trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>")
+    folder = tmp_path / "tok"
+    hf.save_pretrained(folder)
+    return str(folder)
+
+
+def test_auto_tokenizer_folder(hf_tokenizer_dir, corpus):
+    tok = build_tokenizer(hf_tokenizer_dir)
+    assert tok.eos_token_id == 1 and 100 < tok.vocab_size <= 300
+    texts, path = corpus
+    ids = tok.encode_batch(texts[:3])
+    assert tok.decode(ids[0]) == texts[0] and all(isinstance(i, int) for i in ids[0])
+    cfg = make_cfg([path])
+    entry = ensure_cached(cfg.data.sources[0], "data.sources[0]", tok, cfg.data)
+    assert entry.meta["dtype"] == "uint16" and entry.meta["num_docs"] == len(texts)
+    expected = np.concatenate([np.array([*x, 1]) for x in tok.encode_batch(texts)])
+    assert np.array_equal(np.asarray(entry.tokens), expected)
+    batch = next(build_loader(cfg, tok))
+    assert batch["input_ids"].max() < tok.vocab_size
+
+
+# -- packing, order, sharding ------------------------------------------------------------------------------
+
+
+def test_packing_keeps_every_token_in_order(corpus):
+    texts, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], seq_len=16, batch=4, shuffle=False)
+    stream = byte_stream(texts)
+    entry = ensure_cached(cfg.data.sources[0], "data.sources[0]", tok, cfg.data)
+    assert np.array_equal(np.asarray(entry.tokens), stream)  # the cache is the whole stream
+    windows = entry.windows(16, "k")
+    n = len(stream) // 17
+    assert windows.shape == (n, 17)
+    loader = build_loader(cfg, tok)
+    served = np.concatenate(take(loader, -(-n // 4)))[:n]  # unshuffled: one epoch in order
+    assert np.array_equal(served.reshape(-1), stream[: n * 17])
+    batch = next(build_loader(cfg, tok))
+    assert batch["input_ids"].dtype == batch["labels"].dtype == __import__("torch").long
+    assert batch["input_ids"].shape == (4, 16)
+    assert np.array_equal(batch["input_ids"][:, 1:].numpy(), batch["labels"][:, :-1].numpy())
+
+
+def test_one_epoch_covers_every_window_once(corpus):
+    _, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], seq_len=8, batch=1)
+    loader = build_loader(cfg, tok)
+    windows = np.asarray(loader.windows[0])
+    served = np.concatenate(take(loader, loader.epoch_size))
+    assert sorted(map(bytes, served.astype(np.uint16))) == sorted(map(bytes, windows.astype(np.uint16)))
+    assert not np.array_equal(served, windows)  # shuffled
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["cursor"] == 0
+    assert not np.array_equal(np.concatenate(take(loader, 20)), served[:20])  # a new order each epoch
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_rank_shards_are_disjoint_and_cover(corpus, dp):
+    _, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], seq_len=8, batch=2)
+    reference = build_loader(cfg, tok)  # dp=1: global samples in order
+    steps = reference.epoch_size // (2 * dp)
+    ref = take(reference, steps * dp)
+    ranks = [build_loader(cfg, tok, dp_rank=r, dp_size=dp) for r in range(dp)]
+    for k in range(steps):
+        for r, loader in enumerate(ranks):
+            assert np.array_equal(
+                rows(next(loader)), ref[k * dp + r]
+            )  # rank r gets global samples (k*dp+r)*B..
+    ids = np.concatenate(
+        [ranks[0].global_samples((k * dp + r) * 2, 2) for k in range(steps) for r in range(dp)]
+    )
+    assert len(set(ids.tolist())) == len(ids)  # disjoint
+    assert len({ld.state_dict()["cursor"] for ld in ranks}) == 1  # every rank holds the same global state
+
+
+# -- resume -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_map_resume_is_exact(corpus, dp):
+    _, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], seq_len=32, batch=3)
+    full = [build_loader(cfg, tok, dp_rank=r, dp_size=dp) for r in range(dp)]
+    epoch = full[0].epoch_size
+    k, m = epoch // (3 * dp) - 1, 6  # the continuation crosses an epoch boundary
+    for ld in full:
+        take(ld, k)
+    states = [ld.state_dict() for ld in full]
+    expect = [take(ld, m) for ld in full]
+    for r in range(dp):
+        resumed = build_loader(cfg, tok, dp_rank=r, dp_size=dp)
+        resumed.load_state_dict(states[r])
+        assert all(np.array_equal(a, b) for a, b in zip(take(resumed, m), expect[r], strict=True))
+
+
+def test_map_resume_on_a_different_dp_size(corpus):
+    _, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], seq_len=16, batch=2)
+    ref = np.concatenate(take(build_loader(cfg, tok), 40))  # dp=1, global samples 0..79
+    two = [build_loader(cfg, tok, dp_rank=r, dp_size=2) for r in range(2)]
+    for _ in range(5):
+        for ld in two:
+            next(ld)  # 5 steps x 2 ranks x 2 = 20 global samples
+    state = two[0].state_dict()
+    assert state == two[1].state_dict()
+    three = [build_loader(cfg, tok, dp_rank=r, dp_size=3) for r in range(3)]
+    for ld in three:
+        ld.load_state_dict(state)
+    for k in range(3):
+        for r, ld in enumerate(three):
+            start = 20 + (k * 3 + r) * 2
+            assert np.array_equal(rows(next(ld)), ref[start : start + 2])
+
+
+def stream_cfg(path, **kw):
+    kw.setdefault("shuffle_buffer", 7)
+    return make_cfg([SourceConfig(path=path, streaming=True)], **kw)
+
+
+def test_streaming_packs_the_same_stream(corpus):
+    texts, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = stream_cfg(path, seq_len=16, batch=4, shuffle=False)
+    stream = byte_stream(texts)
+    n = len(stream) // 17
+    got = np.concatenate(take(build_loader(cfg, tok), n // 4)).reshape(-1)
+    assert np.array_equal(got, stream[: len(got)])
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_streaming_resume_is_exact(corpus, dp):
+    _, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = stream_cfg(path, seq_len=64, batch=4)
+    full = [build_loader(cfg, tok, dp_rank=r, dp_size=dp) for r in range(dp)]
+    k, m = 9, 25  # the continuation crosses blocks and an epoch boundary
+    for ld in full:
+        take(ld, k)
+    states = [ld.state_dict() for ld in full]
+    json.dumps(states)  # small and plain
+    expect = [take(ld, m) for ld in full]
+    assert full[0].packers[0].epoch >= 1
+    if dp == 2:  # ranks read different documents
+        assert not np.array_equal(expect[0][0], expect[1][0])
+    for r in range(dp):
+        resumed = build_loader(cfg, tok, dp_rank=r, dp_size=dp)
+        resumed.load_state_dict(states[r])
+        assert all(np.array_equal(a, b) for a, b in zip(take(resumed, m), expect[r], strict=True))
+
+
+def test_streaming_resume_on_a_different_dp_size_is_refused(corpus):
+    _, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = stream_cfg(path)
+    state = build_loader(cfg, tok, dp_rank=0, dp_size=2).state_dict()
+    with pytest.raises(UserError, match=r"2 data-parallel ranks, this run has 1.*streaming: false"):
+        build_loader(cfg, tok).load_state_dict(state)
+
+
+# -- mixture, eval, text files, cache --------------------------------------------------------------------
+
+
+def test_mixture_weights(tmp_path):
+    big = write_jsonl(tmp_path / "big.jsonl", docs(120, prefix="A"))
+    small = write_jsonl(tmp_path / "small.jsonl", docs(20, prefix="B"))
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([SourceConfig(path=big, weight=1.0), SourceConfig(path=small, weight=3.0)], seq_len=8)
+    loader = build_loader(cfg, tok)
+    n_big, n_small = loader.sizes.tolist()
+    assert n_big > 4 * n_small
+    order = loader.order(0)
+    from_small = int((order >= n_big).sum())
+    assert from_small == round(0.75 * (n_big + n_small)) and len(order) == loader.epoch_size
+    # the small source repeats only after all of its windows were used
+    small_ids = order[order >= n_big]
+    assert len(set(small_ids[:n_small].tolist())) <= n_small
+    counts = np.bincount(small_ids - n_big, minlength=n_small)
+    assert counts.max() - counts.min() <= 1
+    assert np.array_equal(build_loader(cfg, tok).order(0), order)  # deterministic
+
+
+def test_eval_loader_is_finite_and_restartable(corpus, tmp_path):
+    _, path = corpus
+    held_out = write_jsonl(tmp_path / "eval.jsonl", docs(30, seed=9))
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], eval_sources=[held_out], seq_len=16, batch=2, eval_steps=4)
+    evals = [build_loader(cfg, tok, dp_rank=r, dp_size=2, split="eval") for r in range(2)]
+    first = [[rows(b) for b in e] for e in evals]
+    assert [len(f) for f in first] == [4, 4] and len(evals[0]) == 4
+    again = [rows(b) for b in evals[0]]
+    assert all(np.array_equal(a, b) for a, b in zip(first[0], again, strict=True))
+    seen = [bytes(w.astype(np.uint16)) for f in first for batch in f for w in batch]
+    assert len(set(seen)) == len(seen)  # ranks evaluate different windows
+
+
+def test_text_files_are_one_document_each(tmp_path):
+    folder = tmp_path / "src"
+    (folder / "pkg" / "__pycache__").mkdir(parents=True)
+    files = {"a.py": "def f():\n    return 1\n", "pkg/b.txt": "line one\nline two\n\nline three\n"}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    (folder / "pkg" / "__pycache__" / "b.cpython-311.pyc").write_bytes(b"\x00\xff\xfe")
+    (folder / ".hidden").write_text("secret")
+    (folder / "logo.png").write_bytes(b"\x89PNG\xff")
+    tok = build_tokenizer("byte")
+    for path in (str(folder), str(folder / "**" / "*")):
+        cfg = make_cfg([path], seq_len=4)
+        entry = ensure_cached(cfg.data.sources[0], "data.sources[0]", tok, cfg.data)
+        assert entry.meta["num_docs"] == 2
+        assert np.array_equal(np.asarray(entry.tokens), byte_stream([files["a.py"], files["pkg/b.txt"]]))
+
+
+def test_cache_is_reused_and_follows_file_changes(corpus, monkeypatch):
+    texts, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], seq_len=16)
+    root = prepare(cfg)
+    (entry,) = [p for p in root.iterdir() if p.is_dir()]
+    meta, mtime = json.loads((entry / "meta.json").read_text()), (entry / "tokens.bin").stat().st_mtime_ns
+    assert meta["num_tokens"] == len(byte_stream(texts)) and meta["num_docs"] == len(texts)
+
+    def no_retokenizing(*a, **k):
+        raise AssertionError("retokenized")
+
+    monkeypatch.setattr(cache_mod, "_write_tokens", no_retokenizing)
+    next(build_loader(cfg, tok))
+    next(build_loader(make_cfg([path], seq_len=64), tok))  # seq_len is not part of the key
+    assert (entry / "tokens.bin").stat().st_mtime_ns == mtime
+    monkeypatch.undo()
+    monkeypatch.setenv("MUONRUN_CACHE", str(root))
+    write_jsonl(path, texts[:40])  # an edited file is a new cache entry
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
+    assert ensure_cached(cfg.data.sources[0], "k", tok, cfg.data).meta["num_docs"] == 40
+    assert len([p for p in root.iterdir() if p.is_dir()]) == 2
+
+
+# -- user errors --------------------------------------------------------------------------------------------
+
+
+def expect_error(cfg, match, tok="byte"):
+    with pytest.raises(UserError, match=match):
+        build_loader(cfg, build_tokenizer(tok))
+
+
+def test_missing_paths(tmp_path):
+    expect_error(make_cfg([str(tmp_path / "nope.jsonl")]), r"data.sources\[0\].path.*does not exist")
+    expect_error(
+        make_cfg([str(tmp_path / "*.parquet")]), r"data.sources\[0\].path.*matches no readable files"
+    )
+    (tmp_path / "empty").mkdir()
+    expect_error(make_cfg([str(tmp_path / "empty")]), r"folder .* holds no readable files")
+    with pytest.raises(UserError, match=r"data.sources\[0\].path.*does not exist"):
+        check_data(make_cfg([str(tmp_path / "nope.jsonl")]))
+
+
+def test_empty_and_too_short(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    expect_error(make_cfg([str(tmp_path / "empty.jsonl")]), r"data.sources\[0\].*no documents")
+    short = write_jsonl(tmp_path / "short.jsonl", ["tiny"])
+    expect_error(
+        make_cfg([short], seq_len=16), r"data.sources\[0\].*5 tokens, fewer than one window.*seq_len"
+    )
+    stream = make_cfg([SourceConfig(path=str(tmp_path / "empty.jsonl"), streaming=True)])
+    expect_error(stream, r"data.sources\[0\].*no documents")
+
+
+def test_missing_text_field_lists_columns(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", docs(5), field="body")
+    match = r"data.sources\[0\].text_field.*'text'.*columns are: body, id"
+    expect_error(make_cfg([path]), match)
+    with pytest.raises(UserError, match=match):
+        check_data(make_cfg([path]))
+    expect_error(make_cfg([SourceConfig(path=path, streaming=True)]), match)
+    assert next(build_loader(make_cfg([SourceConfig(path=path, text_field="body")]), build_tokenizer("byte")))
+
+
+def test_undecodable_text_names_the_file(tmp_path):
+    (tmp_path / "good.txt").write_text("fine")
+    (tmp_path / "bad.txt").write_bytes(b"abc\xff\xfe rest")
+    expect_error(make_cfg([str(tmp_path / "*.txt")]), r"bad\.txt' is not valid UTF-8")
+
+
+def test_bad_weight_split_and_offline_hub(tmp_path, corpus):
+    _, path = corpus
+    expect_error(make_cfg([SourceConfig(path=path, weight=0)]), r"data.sources\[0\].weight.*positive")
+    expect_error(make_cfg([SourceConfig(path=path, split="validation")]), r"data.sources\[0\].split")
+    for streaming in (False, True):
+        hub = make_cfg(
+            [path], eval_sources=[SourceConfig(path="no-such-org/no-such-data", streaming=streaming)]
+        )
+        with pytest.raises(UserError, match=r"data.eval_sources\[0\].path.*Hub.*HF_HUB_OFFLINE"):
+            build_loader(hub, build_tokenizer("byte"), split="eval")
+    with pytest.raises(UserError, match=r"data.eval_sources\[0\].path.*HF_HUB_OFFLINE"):
+        check_data(hub)
+
+
+def test_tokenizer_errors(tmp_path):
+    with pytest.raises(UserError, match=r"data.tokenizer.*no-such-org/tok.*HF_HUB_OFFLINE.*local folder"):
+        build_tokenizer("no-such-org/tok")
+    (tmp_path / "broken").mkdir()
+    with pytest.raises(UserError, match=r"data.tokenizer.*folder.*cannot load it"):
+        build_tokenizer(str(tmp_path / "broken"))
