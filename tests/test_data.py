@@ -256,10 +256,12 @@ def test_streaming_packs_the_same_stream(corpus):
 
 
 @pytest.mark.parametrize("dp", [1, 2])
-def test_streaming_resume_is_exact(corpus, dp):
+def test_streaming_resume_is_exact(corpus, dp, tmp_path):
     _, path = corpus
+    other = write_jsonl(tmp_path / "other.jsonl", docs(30, seed=5, prefix="B"))
     tok = build_tokenizer("byte")
     cfg = stream_cfg(path, seq_len=64, batch=4)
+    cfg.data.sources.append(SourceConfig(path=other, streaming=True, weight=0.3))  # a weighted mixture
     full = [build_loader(cfg, tok, dp_rank=r, dp_size=dp) for r in range(dp)]
     k, m = 9, 25  # the continuation crosses blocks and an epoch boundary
     for ld in full:
@@ -360,6 +362,31 @@ def test_cache_is_reused_and_follows_file_changes(corpus, monkeypatch):
     os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
     assert ensure_cached(cfg.data.sources[0], "k", tok, cfg.data).meta["num_docs"] == 40
     assert len([p for p in root.iterdir() if p.is_dir()]) == 2
+
+
+def _build_in_child(cfg, queue):
+    entry = ensure_cached(cfg.data.sources[0], "data.sources[0]", build_tokenizer("byte"), cfg.data)
+    queue.put(str(entry.path))
+
+
+def test_concurrent_builds_make_one_entry(corpus):
+    import multiprocessing as mp
+
+    _, path = corpus
+    cfg = make_cfg([path])
+    ctx = mp.get_context("fork")  # children inherit the private caches patched in above
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(cfg, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    paths = {queue.get(timeout=5) for _ in procs}
+    root = cache_mod.cache_root(cfg.data)
+    assert len(paths) == 1 and [p.name for p in root.iterdir() if p.is_dir()] == [
+        os.path.basename(paths.pop())
+    ]
 
 
 # -- user errors --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ complete entry even where the lock does not work (the first rename wins, later o
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -51,13 +52,16 @@ def cache_key(src, tok, files: list[str] | None) -> dict:
         "text_field": src.text_field,
     }
     if files is not None:  # the content of local files, by proxy: edit a file and it retokenizes
-        key["files"] = [[f, (st := os.stat(f)).st_size, st.st_mtime_ns] for f in files]
+        stats = [[f, (st := os.stat(f)).st_size, st.st_mtime_ns] for f in files]
+        key["files"] = {"count": len(files), "sha256": hashlib.sha256(json.dumps(stats).encode()).hexdigest()}
     return key
 
 
 def entry_dir(root: Path, src, key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(src.path.rstrip("/*")).name or "data")[:40]
+    parts = Path(src.path).parts  # a readable name: the last path component before any glob
+    plain = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(*parts[:plain]).name or "data")[:40]
     return root / f"{stem}-{digest}"
 
 

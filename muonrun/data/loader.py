@@ -20,7 +20,6 @@ Document boundaries are not exported (no cross-document attention masking): wind
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import warnings
 from itertools import islice
@@ -68,6 +67,7 @@ class PackedLoader:
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.dp_rank, self.dp_size, self.pin_memory = dp_rank, dp_size, pin_memory
         self.epoch, self.cursor = 0, 0
+        self._orders: dict[int, np.ndarray] = {}
 
     def _source_perm(self, s: int, lap: int) -> np.ndarray:
         n = int(self.sizes[s])
@@ -75,9 +75,14 @@ class PackedLoader:
             return np.arange(n)
         return np.random.default_rng([self.seed, 1, s, lap]).permutation(n)
 
-    @functools.lru_cache(maxsize=2)  # noqa: B019 (the loader lives as long as the run)
     def order(self, epoch: int) -> np.ndarray:
-        """Global window ids of an epoch, in the order they are served."""
+        """Global window ids of an epoch, in the order they are served (the last two are kept)."""
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = self._compute_order(epoch)
+        return self._orders[epoch]
+
+    def _compute_order(self, epoch: int) -> np.ndarray:
         parts, keys = [], []
         for s, (n, k) in enumerate(zip(self.sizes.tolist(), self.quotas.tolist(), strict=True)):
             start, end = epoch * k, (epoch + 1) * k  # this epoch's slice of the source's endless sequence
@@ -226,11 +231,13 @@ class StreamingLoader:
         self.batch_size, self.seed, self.pin_memory = batch_size, seed, pin_memory
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.count = 0  # windows served by this rank
+        self._chunk: tuple[int, np.ndarray | None] = (-1, None)
 
-    @functools.lru_cache(maxsize=2)  # noqa: B019
     def _choices(self, chunk: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, 4, self.dp_rank, chunk])
-        return rng.choice(len(self.packers), size=_CHOICE_CHUNK, p=self.probs)
+        if self._chunk[0] != chunk:
+            rng = np.random.default_rng([self.seed, 4, self.dp_rank, chunk])
+            self._chunk = (chunk, rng.choice(len(self.packers), size=_CHOICE_CHUNK, p=self.probs))
+        return self._chunk[1]
 
     def __iter__(self):
         return self
