@@ -207,9 +207,15 @@ class LoggingConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files to OUTPUT_DIR/tensorboard (needs the tensorboard extra)."""
     peak_tflops: float | None = None
-    """Peak dense TFLOP/s per device for MFU. None: look the device up in the built-in table."""
+    """Peak dense TFLOP/s per device for MFU. None: look the GPU up in the built-in table (bf16, or
+    fp32/tf32 by parallel.param_dtype); MFU is left out, with one warning, for a GPU not in it (and on CPU)."""
     all_ranks: bool = False
     """Print output from every rank, not only rank 0."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log the same rows to (needs `pip install wandb`; warns if missing).
+    The run is named after `name` and resumes with the run folder (its id is kept in OUTPUT_DIR/wandb_id)."""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (user or team). None: your default entity."""
 
 
 @dataclass

@@ -1,11 +1,20 @@
-"""Metrics: reduced across ranks only on logged steps, written to OUTPUT_DIR/metrics.jsonl and the console.
+"""Metrics: tokens/s, MFU and memory, reduced across ranks only on logged steps, written by rank 0 to
+OUTPUT_DIR/metrics.jsonl (and TensorBoard / Weights & Biases when asked) and shown on the console.
 
-Between logged steps nothing waits for the GPU: losses stay on the device and are summed there.
+Between logged steps nothing waits for the GPU: losses stay on the device and are summed there; the
+first row of each run (and of each resume) is `{"event": "start", ...}` with what `muonrun compare`
+needs to label it. Try:
+
+    muonrun pretrain tiny --nproc-per-node 1 train.max_steps=20 logging.log_interval=5 logging.console=plain
 """
 
 from __future__ import annotations
 
 import json
+import platform
+import re
+import resource
+import subprocess
 import sys
 import time
 import warnings
@@ -14,77 +23,387 @@ from pathlib import Path
 import torch
 
 from muonrun.config import Config
+from muonrun.console import make_view
 from muonrun.distributed import Dist, all_reduce_max, all_reduce_mean
+from muonrun.errors import UserError
 
-# Dense peak TFLOP/s per device (bf16 tensor cores; fp32 for CPU-free lookups is not meaningful).
-PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10G": 125.0,
-    "L4": 121.0,
-}
+# Dense (no sparsity) peak TFLOP/s per device from the vendors' datasheets: bf16 tensor cores, tf32 (fp32
+# matmuls when torch allows TF32) and plain fp32. A row matches when all its tokens are in the device name
+# (split on spaces and dashes); the first match wins, so the specific variants come before the generic ones.
+PEAK_TFLOPS: list[tuple[tuple[str, ...], dict[str, float]]] = [
+    (("GB200",), {"bf16": 2500.0, "tf32": 1250.0, "fp32": 80.0}),
+    (("B200",), {"bf16": 2250.0, "tf32": 1125.0, "fp32": 75.0}),
+    (("B100",), {"bf16": 1750.0, "tf32": 900.0, "fp32": 60.0}),
+    (("GH200",), {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (("H200", "NVL"), {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (("H200",), {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (("H100", "NVL"), {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (("H100", "PCIE"), {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2}),
+    (("H100",), {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (("H800", "PCIE"), {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2}),
+    (("H800",), {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (("H20",), {"bf16": 148.0, "tf32": 74.0, "fp32": 44.0}),
+    (("A100",), {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (("A800",), {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (("L40S",), {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+    (("L40",), {"bf16": 181.05, "tf32": 90.5, "fp32": 90.5}),
+    (("L4",), {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (("A10",), {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (("RTX", "4090"), {"bf16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    (("MI325X",), {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
+    (("MI300X",), {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
+    (("MI250X",), {"bf16": 383.0, "tf32": 95.7, "fp32": 95.7}),
+]
+_warned_devices: set[str] = set()
 
 
-def peak_tflops(device: torch.device, override: float | None) -> float | None:
-    """Peak dense bf16 TFLOP/s of `device`, from logging.peak_tflops or the table; None (with a warning) if unknown."""
-    if override:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_TFLOPS.items():
-        if key in name.replace("NVIDIA ", "").split():
-            return value
-    warnings.warn(f"Unknown GPU '{name}': MFU is not reported. Set logging.peak_tflops to enable it.", stacklevel=2)
+def matmul_precision(param_dtype: str, device_type: str) -> str:
+    """Which column of PEAK_TFLOPS a run's matmuls use: `bf16`, `tf32` or `fp32` (mirrors parallelize's `auto`)."""
+    if param_dtype == "bfloat16" or (param_dtype == "auto" and device_type == "cuda"):
+        return "bf16"
+    return "tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"
+
+
+def lookup_peak_tflops(device_name: str, precision: str) -> float | None:
+    """Peak dense TFLOP/s of a device named like torch.cuda.get_device_name(); None, with one warning per
+    name, when the table does not know it (an invented number would make every MFU wrong)."""
+    tokens = set(re.split(r"[\s\-_]+", device_name.upper()))
+    for pattern, peaks in PEAK_TFLOPS:
+        if tokens.issuperset(pattern):
+            return peaks[precision]
+    if device_name not in _warned_devices:
+        _warned_devices.add(device_name)
+        warnings.warn(
+            f"Unknown device '{device_name}': MFU is not reported. Set logging.peak_tflops (its dense "
+            f"{precision} TFLOP/s) to report it.",
+            stacklevel=2,
+        )
     return None
 
 
+def library_versions() -> dict[str, str]:
+    import transformers
+
+    from muonrun import __version__
+
+    versions = {
+        "muonrun": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.version.cuda and torch.cuda.is_available():
+        versions["cuda"] = torch.version.cuda
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return versions
+
+
+def gpu_names() -> list[str]:
+    """The names of this node's visible GPUs (empty on a CPU machine)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def git_sha(*folders: Path | str) -> str | None:
+    """HEAD of the first folder that is in a git repository (`-dirty` when it has uncommitted changes to
+    tracked files); None when none is, or git is missing or slow. Never raises."""
+    for folder in folders:
+        try:
+            sha = subprocess.run(
+                ["git", "-C", str(folder), "rev-parse", "--short=12", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=2,
+                check=True,
+            ).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(folder), "diff", "--quiet", "HEAD", "--"], capture_output=True, timeout=2
+            ).returncode
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return sha + ("-dirty" if dirty == 1 else "")
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory since start: allocated by torch on a GPU, the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    return {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+class JsonlSink:
+    """OUTPUT_DIR/metrics.jsonl: one JSON object per line, appended (a resumed run continues the file)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a")  # noqa: SIM115 - open for the whole run
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    """OUTPUT_DIR/tensorboard: train rows under `train/`, eval rows under `eval/`, the start row as text."""
+
+    def __init__(self, folder: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError(
+                "logging.tensorboard is true but tensorboard is not installed: pip install 'muonrun[tensorboard]' "
+                "(or set logging.tensorboard=false)."
+            ) from None
+        self.writer = SummaryWriter(str(folder))
+
+    def write(self, row: dict) -> None:
+        if row.get("event") == "start":
+            self.writer.add_text("run", "```\n" + json.dumps(row, indent=2) + "\n```", row["step"])
+            return
+        section = "eval" if "eval_loss" in row else "train"
+        for key, value in _scalars(row).items():
+            if key not in ("step", "time"):
+                self.writer.add_scalar(f"{section}/{key.removeprefix('eval_')}", value, row["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run named after the muonrun run; its id is kept in the run folder for resumes."""
+
+    def __init__(self, cfg: Config, out: Path):
+        import wandb
+
+        id_file = out / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        from omegaconf import OmegaConf
+
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=cfg.logging.wandb_project,
+            entity=cfg.logging.wandb_entity,
+            name=cfg.name,
+            id=run_id,
+            resume="allow",
+            dir=str(out),
+            config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+        )
+        # Log against our step, not W&B's own counter, so a resumed run may re-log steps after its checkpoint.
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, row: dict) -> None:
+        if row.get("event") == "start":
+            self.run.summary.update({f"start/{k}": v for k, v in _scalars(row).items()})
+            return
+        section = "eval" if "eval_loss" in row else "train"
+        values = {f"{section}/{k.removeprefix('eval_')}": v for k, v in _scalars(row).items() if k != "step"}
+        self.run.log({"step": row["step"], **values})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
 class Metrics:
+    """What the trainer reports to: `start` once, `record` every step, `log_eval` after evaluations,
+    `note` for messages, `close` at the end. Only rank 0 writes files; every rank joins the reductions."""
+
     def __init__(self, cfg: Config, d: Dist, flops_per_token: float, model=None):
         self.cfg = cfg
         self.dist = d
+        self.model = model
         self.flops_per_token = flops_per_token
-        self.peak = peak_tflops(d.device, cfg.logging.peak_tflops)
-        self.tokens_per_step_per_rank = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+        self.precision = matmul_precision(cfg.parallel.param_dtype, d.device.type)
+        self.device_name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
+        if cfg.logging.peak_tflops:
+            self.peak = cfg.logging.peak_tflops
+        elif d.device.type == "cuda":
+            self.peak = lookup_peak_tflops(self.device_name, self.precision)
+        else:
+            self.peak = None  # no table for CPUs; the banner says how to get MFU anyway
+        self.tokens_per_step_per_rank = (
+            cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+        )
         self.out = Path(cfg.output_dir)
-        self.jsonl = None
+        self.sinks: list = []
+        self.view = None
         if d.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(self.out / "metrics.jsonl", "a")  # noqa: SIM115 - open for the whole run
-        self._window_start = time.perf_counter()
+            self.sinks.append(JsonlSink(self.out / "metrics.jsonl"))
+            if cfg.logging.tensorboard:
+                self.sinks.append(TensorBoardSink(self.out / "tensorboard"))
+            if cfg.logging.wandb_project:
+                if _wandb_installed():
+                    self.sinks.append(WandbSink(cfg, self.out))
+                else:
+                    warnings.warn(
+                        f"logging.wandb_project is '{cfg.logging.wandb_project}' but wandb is not installed "
+                        "(pip install wandb); not logging to Weights & Biases.",
+                        stacklevel=2,
+                    )
+            self.view = make_view(cfg.logging.console)
+        elif cfg.logging.all_ranks:
+            self.view = make_view("plain", prefix=f"[rank {d.rank}] ")
+        self._start_step = 0
+        self._t0 = time.perf_counter()
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._window_start = self._last_record = time.perf_counter()
         self._window_steps = 0
         self._window_wait = 0.0
+        self._window_paused = 0.0
+        self._window_optimizer = 0.0
         self._loss_sum: torch.Tensor | None = None
 
-    def print(self, msg: str) -> None:
-        if self.dist.is_main or self.cfg.logging.all_ranks:
-            print(msg, flush=True)
+    def run_info(self, state) -> dict:
+        """The start row: how this run (or resume) was set up, for the banner, `compare` and later readers."""
+        c = self.cfg
+        info = {
+            "event": "start",
+            "time": time.time(),
+            "name": c.name,
+            "optimizer": c.optimizer.name,
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "max_steps": c.train.max_steps,
+            "tokens_per_step": self.tokens_per_step_per_rank * self.dist.world_size,
+            "world_size": self.dist.world_size,
+            "mesh": dict(zip(self.dist.mesh.mesh_dim_names, self.dist.mesh.shape, strict=True)),
+            "flops_per_token": self.flops_per_token,
+            "device": self.device_name,
+            "precision": self.precision,
+            "peak_tflops": self.peak,
+            "gpus": gpu_names(),
+            "versions": library_versions(),
+            "git_sha": git_sha(self.out, Path(__file__).parent),
+            "hostname": platform.node(),
+            "output_dir": str(self.out),
+        }
+        if self.model is not None:
+            from muonrun.model import count_params
 
-    def note(self, msg: str) -> None:
-        self.print(msg)
+            info["parameters"] = count_params(self.model)
+        return info
+
+    def banner_rows(self, info: dict) -> list[tuple[str, str]]:
+        c = self.cfg
+        rows = [("run", f"{c.name} -> {c.output_dir}")]
+        hf = getattr(self.model, "config", None)
+        if hf is not None:
+            kv = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+            rows.append(
+                (
+                    "model",
+                    f"{hf.model_type}: hidden {hf.hidden_size}, {hf.num_hidden_layers} layers, "
+                    f"{hf.num_attention_heads} heads ({kv} kv), mlp {hf.intermediate_size}, vocab {hf.vocab_size}",
+                )
+            )
+        if "parameters" in info:
+            p = info["parameters"]
+            rows.append(
+                ("parameters", f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)")
+            )
+        rows.append(("FLOPs/token", f"{self.flops_per_token:.3e} (train: forward + backward)"))
+        o = c.optimizer
+        opt = f"{o.name}: lr {o.lr:g}, weight decay {o.weight_decay:g}"
+        if o.name == "muon":
+            opt = f"muon: lr {o.muon.lr:g}, momentum {o.muon.momentum:g}, ns {o.muon.ns_steps}; AdamW lr {o.lr:g}"
+        rows.append(("optimizer", opt))
+        s = c.schedule
+        rows.append(("schedule", f"{s.name}, warmup {s.warmup_steps}, min lr ratio {s.min_lr_ratio:g}"))
+        t = c.train
+        rows.append(
+            (
+                "batch",
+                f"{t.micro_batch_size} seq x {t.grad_accum_steps} accum x {c.data.seq_len} tokens x "
+                f"{self.dist.world_size} ranks = {info['tokens_per_step']:,} tokens/step; "
+                f"{t.max_steps:,} steps = {info['tokens_per_step'] * t.max_steps:,} tokens",
+            )
+        )
+        mesh = " x ".join(f"{k}={v}" for k, v in info["mesh"].items())
+        rows.append(
+            (
+                "parallel",
+                f"world {self.dist.world_size} (mesh {mesh}), {self.precision} matmuls, "
+                f"activation checkpointing {c.parallel.activation_checkpointing}, compile {c.parallel.compile}",
+            )
+        )
+        if info["gpus"]:
+            names = sorted(set(info["gpus"]))
+            rows.append(
+                ("GPUs", ", ".join(f"{info['gpus'].count(n)} x {n}" for n in names) + " on rank 0's node")
+            )
+        else:
+            rows.append(("device", self.device_name))
+        if self.peak:
+            rows.append(("peak", f"{self.peak:g} TFLOP/s per device ({self.precision}) for MFU"))
+        else:
+            rows.append(("peak", "unknown: MFU not reported (set logging.peak_tflops to report it)"))
+        rows.append(("versions", ", ".join(f"{k} {v}" for k, v in info["versions"].items())))
+        rows.append(("git", info["git_sha"] or "not a git checkout"))
+        if state_step := info["step"]:
+            rows.append(("resumed", f"at step {state_step:,} ({info['tokens_seen']:,} tokens seen)"))
+        return rows
 
     def start(self, state) -> None:
-        if state.step:
-            self.print(f"Resumed at step {state.step} ({state.tokens_seen:,} tokens seen).")
-        self._window_start = time.perf_counter()
+        self._start_step = state.step
+        if self.dist.is_main:
+            info = self.run_info(state)
+            self._write(info)
+            self.view.banner(self.banner_rows(info))
+        elif self.view is not None and state.step:
+            self.view.note(f"Resumed at step {state.step} ({state.tokens_seen:,} tokens seen).")
+        if self.view is not None:
+            self.view.start(state.step, self.cfg.train.max_steps)
+        self._t0 = time.perf_counter()
+        self._reset_window()
 
-    def record(self, state, loss, grad_norm, lr_mult, data_wait, optimizers, log: bool) -> None:
+    def record(
+        self,
+        state,
+        loss,
+        grad_norm,
+        lr_mult,
+        data_wait,
+        optimizers,
+        log: bool,
+        optimizer_step_time: float | None = None,
+    ) -> None:
+        """Accumulate one step; on logged steps reduce across ranks (the one host sync) and write a row.
+        `loss` and `grad_norm` are device tensors; `optimizer_step_time` is set only when it was timed."""
         self._window_steps += 1
         self._window_wait += data_wait
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._window_optimizer += optimizer_step_time or 0.0
+        self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
+        if self.view is not None:
+            self.view.advance(state.step)
         if not log:
+            self._last_record = time.perf_counter()
             return
-        local = torch.stack([self._loss_sum / self._window_steps, grad_norm.float().to(loss.device)])
-        loss_avg, grad_norm_v = all_reduce_mean(local).tolist()  # the one host sync per logged step
-        wait = all_reduce_max(torch.tensor([self._window_wait], device=loss.device)).item()
-        elapsed = time.perf_counter() - self._window_start
-        step_time = elapsed / self._window_steps
+        local = torch.stack([self._loss_sum / self._window_steps, grad_norm.detach().float().to(loss.device)])
+        loss_avg, grad_norm_v = all_reduce_mean(local).tolist()  # waits for this step to finish
+        now = time.perf_counter()
+        worst = torch.tensor([self._window_wait, peak_memory_gib(self.dist.device)], device=loss.device)
+        wait, peak_mem = all_reduce_max(worst).tolist()
+        steps = self._window_steps
+        step_time = (now - self._window_start - self._window_paused) / steps
         tps = self.tokens_per_step_per_rank / step_time
         row = {
             "step": state.step,
@@ -95,33 +414,52 @@ class Metrics:
             "tokens_seen": state.tokens_seen,
             "tokens_per_s": tps * self.dist.world_size,
             "tokens_per_s_per_device": tps,
-            "mfu": (tps * self.flops_per_token / (self.peak * 1e12)) if self.peak else None,
+            "mfu": tps * self.flops_per_token / (self.peak * 1e12) if self.peak else None,
             "step_time": step_time,
-            "data_wait_time": wait / self._window_steps,
-            "peak_mem_gib": (torch.cuda.max_memory_allocated(self.dist.device) / 2**30)
-            if self.dist.device.type == "cuda"
-            else None,
+            "data_wait_time": wait / steps,
+            "peak_mem_gib": peak_mem,
+            "time": time.time(),
+            "elapsed_s": now - self._t0,
+        }
+        if len(optimizers) > 1:  # e.g. Muon + AdamW: each one's learning rate
+            row.update({f"lr_{type(o).__name__.lower()}": o.param_groups[0]["lr"] for o in optimizers})
+        if optimizer_step_time is not None:
+            row["optimizer_step_time"] = self._window_optimizer / steps
+        self._write(row)
+        if self.view is not None:
+            done = state.step - self._start_step
+            eta = (self.cfg.train.max_steps - state.step) * (now - self._t0) / done if done else None
+            self.view.step(row, self.cfg.train.max_steps, eta)
+        self._reset_window()
+
+    def log_eval(self, state, values: dict[str, float]) -> None:
+        """An eval row. The evaluation ran since the last `record`; its time is kept out of step_time."""
+        eval_time = time.perf_counter() - self._last_record
+        self._window_paused += eval_time
+        row = {
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            **values,
+            "eval_time": eval_time,
             "time": time.time(),
         }
         self._write(row)
-        mfu = f" mfu {row['mfu'] * 100:.1f}%" if row["mfu"] is not None else ""
-        self.print(
-            f"step {state.step:>6}/{self.cfg.train.max_steps} | loss {loss_avg:.4f} | lr {row['lr']:.3e} | "
-            f"grad {grad_norm_v:.3f} | {tps:,.0f} tok/s/dev{mfu} | {step_time * 1000:.0f} ms/step"
-        )
-        self._window_start, self._window_steps, self._window_wait, self._loss_sum = time.perf_counter(), 0, 0.0, None
+        if self.view is not None:
+            self.view.eval(row)
 
-    def log_eval(self, state, values: dict[str, float]) -> None:
-        self._write({"step": state.step, "tokens_seen": state.tokens_seen, **values})
-        self.print(f"eval  {state.step:>6} | " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
+    def note(self, msg: str) -> None:
+        if self.view is not None:
+            self.view.note(msg)
 
     def _write(self, row: dict) -> None:
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps(row) + "\n")
-            self.jsonl.flush()
+        for sink in self.sinks:
+            sink.write(row)
 
     def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
+        if self.view is not None:
+            self.view.close()
+            self.view = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         sys.stdout.flush()
