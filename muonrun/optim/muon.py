@@ -122,7 +122,9 @@ def resolve_ns_coefficients(
     norm_scale = 1.0
     if isinstance(coefficients, str):
         if coefficients != "polar_express":
-            raise ValueError(f"unknown ns_coefficients {coefficients!r} (expected a triple or 'polar_express')")
+            raise ValueError(
+                f"unknown ns_coefficients {coefficients!r} (expected a triple or 'polar_express')"
+            )
         table: Sequence = POLAR_EXPRESS_COEFFICIENTS
         norm_scale = POLAR_EXPRESS_NORM_SCALE
     elif len(coefficients) == 3 and all(isinstance(x, (int, float)) for x in coefficients):
@@ -341,11 +343,11 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= _to_float(lr):
+        if not _to_float(lr) >= 0.0:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 <= momentum:
+        if not momentum >= 0.0:
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if not 0.0 <= weight_decay:
+        if not weight_decay >= 0.0:
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
         if bucket_numel < 1 or prefetch < 1:
             raise ValueError("bucket_numel and prefetch must be >= 1")
@@ -390,8 +392,10 @@ class Muon(torch.optim.Optimizer):
             if torch.is_complex(p):
                 raise ValueError(f"Muon does not support complex parameters ({name})")
             info = _shard_info(p, name)
-            if self.process_group is not None and info.group is not None and info.world != dist.get_world_size(
-                self.process_group
+            if (
+                self.process_group is not None
+                and info.group is not None
+                and info.world != dist.get_world_size(self.process_group)
             ):
                 raise ValueError(f"{name}: its shard group differs from process_group")
 
@@ -596,15 +600,15 @@ class Muon(torch.optim.Optimizer):
                 full = torch.empty(k, W * c, C, dtype=torch.bfloat16, device=recv.device)
                 full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
                 X = full[:, :R]
-            O = newton_schulz(X, len(per_step), per_step, eps, norm_scale=norm_scale)
+            out = newton_schulz(X, len(per_step), per_step, eps, norm_scale=norm_scale)
             if W * c == R:
-                slabs.copy_(O.reshape(k, W, c, C).transpose(0, 1))
+                slabs.copy_(out.reshape(k, W, c, C).transpose(0, 1))
             else:
                 nfull, rem = divmod(R, c)
                 if nfull:
-                    slabs[:nfull].copy_(O[:, : nfull * c].reshape(k, nfull, c, C).transpose(0, 1))
+                    slabs[:nfull].copy_(out[:, : nfull * c].reshape(k, nfull, c, C).transpose(0, 1))
                 if rem:
-                    slabs[nfull, :, :rem].copy_(O[:, nfull * c :])
+                    slabs[nfull, :, :rem].copy_(out[:, nfull * c :])
             self.stats["orthogonalized"] += k
 
     def _apply(self, bucket: _Bucket, result: Tensor, hyper) -> None:

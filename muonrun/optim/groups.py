@@ -1,0 +1,174 @@
+"""Sort a model's parameters into the ones Muon may touch and the ones AdamW must take.
+
+Muon is for hidden 2-D matrices only (the Linear weights inside the decoder layers). Embeddings and
+the LM head are 2-D too but are *not* hidden matrices, so the decision is made by module type and
+name, never by ``ndim`` alone:
+
+- ``muon``: weights of ``nn.Linear`` modules (2-D), except the output projection;
+- ``embedding``: ``nn.Embedding`` / ``nn.EmbeddingBag`` weights (a tied LM head is the same
+  Parameter and is listed here, once; ``ParamSplit.tied_lm_head`` is then True);
+- ``lm_head``: the output projection's weight when it is not tied (found with
+  ``model.get_output_embeddings()`` when the model has it, else by the module name ``lm_head``);
+- ``norm_bias``: norm weights, biases and every other parameter with fewer than 2 dims;
+- ``other``: any remaining parameter with 2+ dims that is not a Linear weight (custom
+  ``nn.Parameter`` matrices, conv kernels, matrices forced to AdamW by a pattern). AdamW, with decay.
+
+Overrides: ``muon_patterns`` / ``adamw_patterns`` are fnmatch globs on parameter names (with
+wrapper prefixes such as ``_orig_mod.``, ``_checkpoint_wrapped_module.`` and
+``_fsdp_wrapped_module.`` removed), e.g. ``"*.mlp.*"`` or ``"model.layers.0.*"``. A parameter
+matched by ``muon_patterns`` goes to ``muon`` (it must be 2-D); one matched by ``adamw_patterns``
+leaves ``muon`` for its type's AdamW group (``other`` for a Linear weight). Matching both is an
+error. Frozen parameters (``requires_grad=False``) are left out.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+__all__ = ["ParamSplit", "clean_param_name", "split_params"]
+
+WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+Named = list[tuple[str, nn.Parameter]]
+
+
+def clean_param_name(name: str) -> str:
+    """Drop the path components that torch.compile, activation checkpointing and FSDP1 insert."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
+
+@dataclass
+class ParamSplit:
+    """(clean name, parameter) pairs per optimizer group; every trainable parameter exactly once."""
+
+    muon: Named = field(default_factory=list)
+    embedding: Named = field(default_factory=list)
+    lm_head: Named = field(default_factory=list)
+    norm_bias: Named = field(default_factory=list)
+    other: Named = field(default_factory=list)
+    tied_lm_head: bool = False
+
+    GROUPS = ("muon", "embedding", "lm_head", "norm_bias", "other")
+
+    @property
+    def adamw(self) -> Named:
+        """Every non-Muon parameter."""
+        return self.embedding + self.lm_head + self.other + self.norm_bias
+
+    @property
+    def adamw_decay(self) -> Named:
+        """Non-Muon matrices (embedding, LM head, other): AdamW with weight decay."""
+        return self.embedding + self.lm_head + self.other
+
+    @property
+    def adamw_no_decay(self) -> Named:
+        """Norm weights and biases: AdamW without weight decay."""
+        return self.norm_bias
+
+    def names(self) -> dict[str, list[str]]:
+        return {g: [n for n, _ in getattr(self, g)] for g in self.GROUPS}
+
+    def numel(self) -> dict[str, int]:
+        return {g: sum(p.numel() for _, p in getattr(self, g)) for g in self.GROUPS}
+
+    def summary(self) -> str:
+        counts = self.numel()
+        parts = [f"{g} {len(getattr(self, g))} tensors / {counts[g]:,} params" for g in self.GROUPS]
+        return "; ".join(parts) + ("; lm_head tied to embedding" if self.tied_lm_head else "")
+
+
+def _matches(name: str, patterns: Sequence[str] | None) -> bool:
+    return bool(patterns) and any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
+def _output_embedding_weight(model: nn.Module) -> nn.Parameter | None:
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            head = get()
+        except (NotImplementedError, AttributeError):
+            head = None
+        if head is not None and isinstance(getattr(head, "weight", None), nn.Parameter):
+            return head.weight
+    for name, module in model.named_modules():
+        if clean_param_name(name).split(".")[-1] == "lm_head" and isinstance(
+            getattr(module, "weight", None), nn.Parameter
+        ):
+            return module.weight
+    return None
+
+
+def split_params(
+    model: nn.Module,
+    muon_patterns: Iterable[str] | None = None,
+    adamw_patterns: Iterable[str] | None = None,
+) -> ParamSplit:
+    """Split ``model``'s trainable parameters into Muon / embedding / LM head / norm+bias / other.
+
+    Raises ValueError if a pattern forces a non-2-D parameter into Muon, a parameter matches both
+    pattern lists, or the split does not hold every trainable parameter exactly once.
+    """
+    muon_patterns = list(muon_patterns or [])
+    adamw_patterns = list(adamw_patterns or [])
+
+    # Which module owns each parameter (first owner wins, like named_parameters' deduplication).
+    owner: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and id(p) not in owner:
+                owner[id(p)] = module
+    embedding_ids = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight is not None
+    }
+    head = _output_embedding_weight(model)
+    head_id = id(head) if head is not None else None
+
+    split = ParamSplit(tied_lm_head=head_id is not None and head_id in embedding_ids)
+    named = [(clean_param_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    for name, p in named:
+        module = owner.get(id(p))
+        forced_muon = _matches(name, muon_patterns)
+        forced_adamw = _matches(name, adamw_patterns)
+        if forced_muon and forced_adamw:
+            raise ValueError(f"parameter {name} matches both muon_patterns and adamw_patterns")
+        if forced_muon:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"muon_patterns matched {name} with shape {tuple(p.shape)}: Muon needs 2-D matrices"
+                )
+            split.muon.append((name, p))
+        elif id(p) in embedding_ids:
+            split.embedding.append((name, p))
+        elif id(p) == head_id:
+            split.lm_head.append((name, p))
+        elif p.ndim < 2:
+            split.norm_bias.append((name, p))
+        elif isinstance(module, nn.Linear) and p is module.weight and p.ndim == 2 and not forced_adamw:
+            split.muon.append((name, p))
+        else:
+            split.other.append((name, p))
+
+    _check_complete(split, named)
+    return split
+
+
+def _check_complete(split: ParamSplit, named: Named) -> None:
+    seen: dict[int, list[str]] = {}
+    for group in ParamSplit.GROUPS:
+        for _, p in getattr(split, group):
+            seen.setdefault(id(p), []).append(group)
+    missing = [n for n, p in named if id(p) not in seen]
+    duplicated = [f"{n} ({', '.join(seen[id(p)])})" for n, p in named if len(seen.get(id(p), [])) > 1]
+    expected = {id(p) for _, p in named}
+    extra = [n for g in ParamSplit.GROUPS for n, p in getattr(split, g) if id(p) not in expected]
+    if missing or duplicated or extra:
+        raise ValueError(
+            "parameter split is not a partition: "
+            f"missing {missing or 'none'}; in several groups {duplicated or 'none'}; unknown {extra or 'none'}"
+        )
