@@ -1,0 +1,277 @@
+"""`muonrun compare RUN_DIR [RUN_DIR ...] --out FILE.png`: loss curves of runs side by side, and a table.
+
+Reads each run folder's metrics.jsonl (and config.yaml, saved by the launcher, for the labels), plots
+the EMA-smoothed training loss against steps, tokens and wall time, prints a table and writes it as
+Markdown next to the picture (FILE.md):
+
+    muonrun compare runs/tiny-adamw runs/tiny-muon --out docs/img/compare-tiny.png
+
+"Target" is the worse run's final (smoothed) loss; each run's steps, tokens and time to first reach it
+say how much sooner the better run got there.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from muonrun.errors import UserError
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    optimizer: str
+    train: list[dict]
+    """Training rows (with `loss`), one per logged step, in step order; rows a resume replaced are gone."""
+    evals: list[dict] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+    """Seconds of wall time at each training row, summed over the run's segments (resumes)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.optimizer} ({self.name})"
+
+
+def _read_config(path: Path) -> dict:
+    config = path / "config.yaml"
+    if not config.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(config)) or {}
+    except Exception:  # a damaged config must not stop a comparison; the start row has the labels too
+        warnings.warn(f"'{config}' could not be read; labelling the run from metrics.jsonl.", stacklevel=2)
+        return {}
+
+
+def load_run(path: str | Path) -> Run:
+    """A run folder's rows. After a resume (a later `start` row at step S) the rows past S that the
+    resume replays are dropped, and wall time continues from where the earlier segment stopped."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"Run folder '{path}' does not exist.")
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        raise UserError(
+            f"Run folder '{path}' has no metrics.jsonl (or it is empty); is it a muonrun output_dir?"
+        )
+    rows, bad = [], 0
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None  # e.g. the last line of a run that was killed mid-write
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad += 1
+    if bad:
+        warnings.warn(f"'{metrics}': skipped {bad} unreadable line(s).", stacklevel=2)
+
+    starts = [r for r in rows if r.get("event") == "start"]
+    config = _read_config(path)
+    name = config.get("name") or (starts[-1]["name"] if starts else path.name)
+    optimizer = (config.get("optimizer") or {}).get("name") or (starts[-1]["optimizer"] if starts else "?")
+
+    train: list[dict] = []
+    evals: list[dict] = []
+    wall: list[float] = []
+    offset, segment_start = 0.0, None
+    for row in rows:
+        if row.get("event") == "start":
+            keep = [i for i, r in enumerate(train) if r["step"] <= row["step"]]
+            offset = wall[keep[-1]] if keep else 0.0
+            train, wall = [train[i] for i in keep], [wall[i] for i in keep]
+            evals = [r for r in evals if r["step"] <= row["step"]]
+            segment_start = row["time"]
+        elif "loss" in row:
+            if segment_start is None:  # no start row (older files): the first window began one window earlier
+                segment_start = row["time"] - row.get("step_time", 0.0) * row["step"]
+            train.append(row)
+            wall.append(offset + row["time"] - segment_start)
+        elif "eval_loss" in row:
+            evals.append(row)
+    if not train:
+        raise UserError(f"Run folder '{path}' has no logged training steps in metrics.jsonl yet.")
+    return Run(path=path, name=str(name), optimizer=str(optimizer), train=train, evals=evals, wall=wall)
+
+
+def ema(values: list[float], smoothing: float) -> list[float]:
+    """Exponential moving average with bias correction (as TensorBoard's smoothing slider); 0: unchanged."""
+    out, avg = [], 0.0
+    for n, v in enumerate(values, start=1):
+        avg = smoothing * avg + (1 - smoothing) * v
+        out.append(avg / (1 - smoothing**n))
+    return out
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[Run], smoothing: float) -> tuple[list[dict], float]:
+    """One dict per run (the table's rows) and the target loss: the worse run's final smoothed loss.
+
+    tokens/s and MFU are medians over the logged rows, without the first (start-up and warm-up)."""
+    smoothed = [ema([r["loss"] for r in run.train], smoothing) for run in runs]
+    target = max(s[-1] for s in smoothed)
+    rows = []
+    for run, curve in zip(runs, smoothed, strict=True):
+        steady = run.train[1:] or run.train
+        hit = next(i for i, v in enumerate(curve) if v <= target)
+        rows.append(
+            {
+                "run": run.name,
+                "optimizer": run.optimizer,
+                "steps": run.train[-1]["step"],
+                "tokens": run.train[-1]["tokens_seen"],
+                "final_loss": run.train[-1]["loss"],
+                "final_loss_smoothed": curve[-1],
+                "best_eval_loss": min((r["eval_loss"] for r in run.evals), default=None),
+                "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
+                "mfu": _median([r.get("mfu") for r in steady]),
+                "steps_to_target": run.train[hit]["step"],
+                "tokens_to_target": run.train[hit]["tokens_seen"],
+                "time_to_target": run.wall[hit],
+            }
+        )
+    worst_tokens = max(rows, key=lambda r: r["final_loss_smoothed"])["tokens_to_target"]
+    for row in rows:
+        row["token_speedup"] = worst_tokens / row["tokens_to_target"] if row["tokens_to_target"] else None
+    return rows, target
+
+
+METRICS = [
+    ("optimizer", "optimizer", "{}"),
+    ("steps", "steps", "{:,}"),
+    ("tokens", "tokens", "{:,}"),
+    ("final_loss", "final loss", "{:.4f}"),
+    ("final_loss_smoothed", "final loss (EMA)", "{:.4f}"),
+    ("best_eval_loss", "best eval loss", "{:.4f}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("steps_to_target", "steps to target", "{:,}"),
+    ("tokens_to_target", "tokens to target", "{:,}"),
+    ("time_to_target", "time to target (s)", "{:,.1f}"),
+    ("token_speedup", "token speed-up", "{:.2f}x"),
+]
+"""The table's rows (one column per run, so that a few runs fit a terminal): key, title, format."""
+
+
+def _cells(rows: list[dict], key: str, fmt: str) -> list[str]:
+    return ["-" if row[key] is None else fmt.format(row[key]) for row in rows]
+
+
+def markdown_table(rows: list[dict], target: float, smoothing: float) -> str:
+    lines = [
+        "| | " + " | ".join(row["run"] for row in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+        *(f"| {title} | " + " | ".join(_cells(rows, key, fmt)) + " |" for key, title, fmt in METRICS),
+        "",
+        f"Target loss {target:.4f}: the worse run's final training loss, EMA-smoothed ({smoothing:g} per logged "
+        "row). tokens/s and MFU: medians over the logged steps after the first. Token speed-up: the worse "
+        "run's tokens to target / this run's.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(rows: list[dict], target: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"muonrun compare (target loss {target:.4f})")
+    table.add_column("")
+    for row in rows:
+        table.add_column(row["run"], justify="right")
+    for key, title, fmt in METRICS:
+        table.add_row(title, *_cells(rows, key, fmt))
+    Console().print(table)
+
+
+def plot(runs: list[Run], out: Path, smoothing: float, target: float, title: str | None = None) -> None:
+    """Loss vs step, tokens and wall time: faint raw curves, solid smoothed ones, eval losses as dots."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.ticker import EngFormatter
+    except ImportError:
+        raise UserError(
+            "`muonrun compare` draws with matplotlib, which is not installed: pip install 'muonrun[plot]'"
+        ) from None
+
+    minutes = max(run.wall[-1] for run in runs) > 300
+    axes_spec = [
+        (
+            "step",
+            "step",
+            lambda run: [r["step"] for r in run.train],
+            lambda run: [r["step"] for r in run.evals],
+        ),
+        (
+            "tokens",
+            "tokens",
+            lambda run: [r["tokens_seen"] for r in run.train],
+            lambda run: [r["tokens_seen"] for r in run.evals],
+        ),
+        ("wall", "wall time (min)" if minutes else "wall time (s)", lambda run: run.wall, None),
+    ]
+    fig = Figure(figsize=(15, 4.6), layout="constrained")
+    axes = fig.subplots(1, 3, sharey=True)
+    smoothed = {id(run): ema([r["loss"] for r in run.train], smoothing) for run in runs}
+    all_smoothed = sorted(v for s in smoothed.values() for v in s)
+    low, high = all_smoothed[0], all_smoothed[int(0.95 * (len(all_smoothed) - 1))]
+    pad = 0.08 * (high - low or 1.0)
+    for ax, (key, xlabel, xs, eval_xs) in zip(axes, axes_spec, strict=True):
+        for i, run in enumerate(runs):
+            color = f"C{i}"
+            x = xs(run)
+            if key == "wall" and minutes:
+                x = [t / 60 for t in x]
+            if smoothing > 0:
+                ax.plot(x, [r["loss"] for r in run.train], color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(x, smoothed[id(run)], color=color, linewidth=1.8, label=run.label)
+            if eval_xs is not None and run.evals:
+                ax.plot(eval_xs(run), [r["eval_loss"] for r in run.evals], "o", color=color, markersize=4)
+        ax.axhline(target, color="0.5", linestyle="--", linewidth=0.8)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        if key == "tokens":
+            ax.xaxis.set_major_formatter(EngFormatter())
+    axes[0].set_ylim(low - pad, high + pad)
+    axes[0].set_ylabel("training loss" + (f" (EMA {smoothing:g})" if smoothing > 0 else ""))
+    handles, labels = axes[0].get_legend_handles_labels()
+    if any(run.evals for run in runs):
+        handles.append(Line2D([], [], marker="o", color="0.3", linestyle="none", markersize=4))
+        labels.append("eval loss")
+    handles.append(Line2D([], [], color="0.5", linestyle="--", linewidth=0.8))
+    labels.append(f"target {target:.3f} (worse run's final)")
+    axes[0].legend(handles, labels, fontsize=9)
+    fig.suptitle(title or "muonrun compare: " + " vs ".join(run.label for run in runs))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def compare(
+    run_dirs: list[str | Path], out: str | Path, smoothing: float = 0.8, title: str | None = None
+) -> list[dict]:
+    """Load, summarize, plot to `out` (PNG), write `out` with .md, print the table; returns the table rows."""
+    if not run_dirs:
+        raise UserError("Give at least one run folder to compare.")
+    if not 0.0 <= smoothing < 1.0:
+        raise UserError(f"--smoothing is {smoothing}; it must be in [0, 1) (0: no smoothing).")
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise UserError(f"--out '{out}' must be a .png file (the table is written next to it as .md).")
+    runs = [load_run(path) for path in run_dirs]
+    rows, target = summarize(runs, smoothing)
+    plot(runs, out, smoothing, target, title)
+    out.with_suffix(".md").write_text(markdown_table(rows, target, smoothing))
+    print_table(rows, target)
+    return rows

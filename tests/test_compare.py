@@ -1,0 +1,197 @@
+"""`muonrun compare`: run loading (labels, resumes), the table's numbers, the PNG, and user errors."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from muonrun.cli import app
+from muonrun.compare import compare, ema, load_run, markdown_table, summarize
+from muonrun.errors import UserError
+
+
+def write_run(folder, rows, config: str | None = None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    )
+    if config is not None:
+        (folder / "config.yaml").write_text(config)
+    return folder
+
+
+def train_row(step, loss, time, tokens_per_s=100.0, mfu=None):
+    return {
+        "step": step,
+        "loss": loss,
+        "tokens_seen": step * 100,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "step_time": 1.0,
+        "time": time,
+    }
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    a = write_run(
+        tmp_path / "a",
+        [
+            {
+                "event": "start",
+                "step": 0,
+                "tokens_seen": 0,
+                "time": 1000.0,
+                "name": "ignored",
+                "optimizer": "x",
+            },
+            train_row(10, 4.0, 1010.0, 100.0, 0.1),
+            train_row(20, 3.0, 1020.0, 200.0, 0.2),
+            {"step": 20, "tokens_seen": 2000, "eval_loss": 3.1, "eval_ppl": 22.2, "time": 1021.0},
+            train_row(30, 2.5, 1030.0, 210.0, 0.3),
+            train_row(40, 2.2, 1040.0, 220.0, 0.4),
+            {"step": 40, "tokens_seen": 4000, "eval_loss": 2.4, "eval_ppl": 11.0, "time": 1041.0},
+        ],
+        config="name: a-adamw\noptimizer:\n  name: adamw\n",
+    )
+    b = write_run(
+        tmp_path / "b",
+        [
+            {
+                "event": "start",
+                "step": 0,
+                "tokens_seen": 0,
+                "time": 2000.0,
+                "name": "b-muon",
+                "optimizer": "muon",
+            },
+            train_row(10, 3.5, 2020.0, 90.0),
+            train_row(20, 2.6, 2040.0, 80.0),
+            train_row(30, 2.1, 2060.0, 70.0),
+            train_row(40, 1.9, 2080.0, 60.0),
+        ],
+    )
+    return a, b
+
+
+def test_load_run_labels_from_config_then_start_row(two_runs):
+    a, b = (load_run(p) for p in two_runs)
+    assert (a.name, a.optimizer, a.label) == ("a-adamw", "adamw", "adamw (a-adamw)")
+    assert (b.name, b.optimizer) == ("b-muon", "muon")  # no config.yaml: the start row
+    assert [r["step"] for r in a.train] == [10, 20, 30, 40] and len(a.evals) == 2
+    assert a.wall == [10.0, 20.0, 30.0, 40.0] and b.wall == [20.0, 40.0, 60.0, 80.0]
+
+
+def test_summary_numbers(two_runs):
+    rows, target = summarize([load_run(p) for p in two_runs], smoothing=0.0)
+    a, b = rows
+    assert target == 2.2  # the worse run's final loss
+    assert (a["final_loss"], b["final_loss"]) == (2.2, 1.9)
+    assert a["best_eval_loss"] == 2.4 and b["best_eval_loss"] is None
+    assert a["tokens_per_s"] == 210.0 and b["tokens_per_s"] == 70.0  # medians without the first row
+    assert a["mfu"] == pytest.approx(0.3) and b["mfu"] is None
+    assert (a["steps_to_target"], a["tokens_to_target"], a["time_to_target"]) == (40, 4000, 40.0)
+    assert (b["steps_to_target"], b["tokens_to_target"], b["time_to_target"]) == (30, 3000, 60.0)
+    assert a["token_speedup"] == 1.0 and b["token_speedup"] == pytest.approx(4 / 3)
+    md = markdown_table(rows, target, 0.0).splitlines()
+    assert md[:2] == ["| | a-adamw | b-muon |", "|---|---:|---:|"]
+    expected = {
+        "optimizer": "adamw | muon",
+        "final loss": "2.2000 | 1.9000",
+        "best eval loss": "2.4000 | -",
+        "tokens/s": "210 | 70",
+        "MFU": "30.0% | -",
+        "steps to target": "40 | 30",
+        "tokens to target": "4,000 | 3,000",
+        "time to target (s)": "40.0 | 60.0",
+        "token speed-up": "1.00x | 1.33x",
+    }
+    for title, cells in expected.items():
+        assert f"| {title} | {cells} |" in md
+
+
+def test_smoothed_target_uses_the_ema(two_runs):
+    runs = [load_run(p) for p in two_runs]
+    rows, target = summarize(runs, smoothing=0.5)
+    assert target == pytest.approx(ema([4.0, 3.0, 2.5, 2.2], 0.5)[-1])
+    assert rows[0]["final_loss"] == 2.2 and rows[0]["final_loss_smoothed"] == pytest.approx(target)
+
+
+def test_ema_is_bias_corrected():
+    assert ema([1.0, 1.0, 1.0], 0.9) == pytest.approx([1.0, 1.0, 1.0])
+    assert ema([0.0, 10.0], 0.5) == pytest.approx([0.0, 5.0 / 0.75])
+    assert ema([3.0, 1.0], 0.0) == [3.0, 1.0]
+
+
+def test_resumed_run_drops_replayed_rows_and_continues_wall_time(tmp_path):
+    folder = write_run(
+        tmp_path / "r",
+        [
+            {"event": "start", "step": 0, "time": 0.0, "name": "r", "optimizer": "adamw"},
+            train_row(1, 4.0, 1.0),
+            train_row(2, 3.0, 2.0),
+            train_row(3, 9.9, 3.0),  # logged, then the job died before the next checkpoint
+            {"step": 3, "eval_loss": 9.0, "time": 3.5},
+            "not json: the last line of a killed writer",
+            {"event": "start", "step": 2, "time": 100.0, "name": "r", "optimizer": "adamw"},
+            train_row(3, 2.5, 101.0),
+            train_row(4, 2.0, 103.0),
+        ],
+    )
+    with pytest.warns(UserWarning, match="skipped 1 unreadable line"):
+        run = load_run(folder)
+    assert [(r["step"], r["loss"]) for r in run.train] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 2.0)]
+    assert run.evals == [] and run.wall == [1.0, 2.0, 3.0, 5.0]
+
+
+def test_compare_writes_png_and_markdown(two_runs, tmp_path, capsys):
+    out = tmp_path / "fig" / "cmp.png"
+    rows = compare(list(two_runs), out, smoothing=0.0)
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1800, 552) and len(data) > 20_000
+    md = (tmp_path / "fig" / "cmp.md").read_text()
+    assert md == markdown_table(rows, 2.2, 0.0)
+    printed = capsys.readouterr().out
+    assert "a-adamw" in printed and "b-muon" in printed and "1.33x" in printed
+
+
+def test_cli_compare(two_runs, tmp_path):
+    out = tmp_path / "c.png"
+    result = CliRunner().invoke(
+        app, ["compare", *map(str, two_runs), "--out", str(out), "--smoothing", "0.5"]
+    )
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and out.with_suffix(".md").is_file()
+
+
+def test_user_errors(tmp_path, two_runs):
+    with pytest.raises(UserError, match="'.*missing' does not exist"):
+        compare([tmp_path / "missing"], tmp_path / "x.png")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="'.*empty' has no metrics.jsonl"):
+        compare([tmp_path / "empty"], tmp_path / "x.png")
+    write_run(
+        tmp_path / "started", [{"event": "start", "step": 0, "time": 0.0, "name": "s", "optimizer": "adamw"}]
+    )
+    with pytest.raises(UserError, match="'.*started' has no logged training steps"):
+        compare([tmp_path / "started"], tmp_path / "x.png")
+    with pytest.raises(UserError, match="smoothing"):
+        compare(list(two_runs), tmp_path / "x.png", smoothing=1.0)
+    with pytest.raises(UserError, match=r"\.png"):
+        compare(list(two_runs), tmp_path / "x.pdf")
+    result = CliRunner().invoke(app, ["compare", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_missing_matplotlib_is_a_user_error(two_runs, tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib... raises ImportError
+    with pytest.raises(UserError, match=r"pip install 'muonrun\[plot\]'"):
+        compare(list(two_runs), tmp_path / "x.png")
