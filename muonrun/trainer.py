@@ -39,6 +39,19 @@ class TrainState:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
 
 
+class OptimizerTimer:
+    """Wall time of the optimizer step between two device syncs (only with logging.time_optimizer)."""
+
+    def __init__(self, device: torch.device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.sync()
+        self.start = time.perf_counter()
+
+    def stop(self) -> float:
+        self.sync()
+        return time.perf_counter() - self.start
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -57,11 +70,14 @@ class Trainer:
         # Every rank is a data-parallel rank: HSDP replicas and FSDP shards all read different data.
         self.loader = build_loader(cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size)
         self.eval_loader = (
-            build_loader(cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size, split="eval")
+            build_loader(
+                cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size, split="eval"
+            )
             if cfg.train.eval_interval
             else None
         )
         self.state = TrainState()
+        self.optimizer_step_time: float | None = None
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
         self.checkpointer = Checkpointer(cfg, self.dist)
         self.checkpointer.load(self)
@@ -109,15 +125,20 @@ class Trainer:
                 f"rank {self.dist.rank}); stopped before the optimizer step. The last checkpoint is intact: lower "
                 "the learning rate or raise warmup, then resume."
             )
+        timer = OptimizerTimer(self.dist.device) if self.cfg.logging.time_optimizer else None
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        self.optimizer_step_time = timer.stop() if timer else None
         return loss_sum, grad_norm, data_wait
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
-        losses = [self.model(b["input_ids"].to(self.dist.device), b["labels"].to(self.dist.device)) for b in self.eval_loader]
+        losses = [
+            self.model(b["input_ids"].to(self.dist.device), b["labels"].to(self.dist.device))
+            for b in self.eval_loader
+        ]
         self.model.train()
         loss = all_reduce_mean(torch.stack(losses).mean()).item()
         return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp())}
@@ -133,8 +154,19 @@ class Trainer:
             self.state.tokens_seen += self.tokens_per_step * self.dist.world_size
             step = self.state.step
             log_now = step % cfg.logging.log_interval == 0 or step == cfg.train.max_steps
-            self.metrics.record(self.state, loss, grad_norm, lr_mult, data_wait, self.optimizers, log=log_now)
-            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
+            self.metrics.record(
+                self.state,
+                loss,
+                grad_norm,
+                lr_mult,
+                data_wait,
+                self.optimizers,
+                log=log_now,
+                optimizer_step_time=self.optimizer_step_time,
+            )
+            if cfg.train.eval_interval and (
+                step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps
+            ):
                 self.metrics.log_eval(self.state, self.evaluate())
             if self.checkpointer.due(step):
                 self.checkpointer.save(self)
