@@ -168,5 +168,32 @@ def compare(
     print(f"Wrote {out} and {out.removesuffix('.png')}.md")
 
 
+@app.command()
+@user_errors
+def bench(
+    config: PresetArg = "tiny",
+    overrides: OverridesArg = None,
+    variant: Annotated[
+        list[str] | None, typer.Option(help="NAME or NAME:key=value,key=value; repeat to compare variants.")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Measured steps per variant.")] = 10,
+    warmup: Annotated[int, typer.Option(help="Steps run first and not measured (compilation, allocator).")] = 5,
+    out: Annotated[str, typer.Option(help="JSON file for the results; runs go beside it.")] = "bench/results.json",
+) -> None:
+    """Time short training runs of one or more variants side by side: tokens/s, MFU, step and optimizer time."""
+    import json
+    from pathlib import Path
+
+    from muonrun.bench import print_results, run_bench
+
+    out_path = Path(out)
+    results = run_bench(config, overrides or [], variant or [], steps, warmup, out_path.parent)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=2))
+    print_results(results)
+    if any("error" in r for r in results.values()):
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()

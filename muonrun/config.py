@@ -216,6 +216,9 @@ class LoggingConfig:
     The run is named after `name` and resumes with the run folder (its id is kept in OUTPUT_DIR/wandb_id)."""
     wandb_entity: str | None = None
     """Weights & Biases entity (user or team). None: your default entity."""
+    time_optimizer: bool = False
+    """Synchronize the device around the optimizer step to log `optimizer_step_time` (benchmarks;
+    costs a little speed)."""
 
 
 @dataclass
