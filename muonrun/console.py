@@ -2,8 +2,8 @@
 
 `logging.console`: `auto` picks rich when stdout is a terminal. Plain lines never contain escape codes:
 
-    step 120/1000 loss 3.2104 lr 3.000e-04 grad_norm 0.812 tok/s 12,345 tok/s/dev 6,172 mfu 41.2% mem 12.30GiB step_time 0.530s data_wait 0.002s eta 0:07:42
-    eval 100/1000 eval_loss 3.3011 eval_ppl 27.15 eval_time 4.1s
+    step    120/1000 loss 3.2104 lr 3.000e-04 grad_norm 0.812 tok/s 12,345 tok/s/dev 6,172 mfu 41.2% mem 12.30GiB step_time 0.530s data_wait 0.002s eta 0:07:42
+    eval    100/1000 eval_loss 3.3011 eval_ppl 27.15 eval_time 4.1s
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def format_eta(seconds: float | None) -> str:
 def step_fields(row: dict, max_steps: int, eta: float | None) -> list[tuple[str, str]]:
     """(label, value) pairs of one logged step, shared by both views; missing values are left out."""
     fields = [
-        ("step", f"{row['step']}/{max_steps}"),
+        ("step", f"{row['step']:>6}/{max_steps}"),
         ("loss", f"{row['loss']:.4f}"),
         ("lr", f"{row['lr']:.3e}"),
         ("grad_norm", f"{row['grad_norm']:.3f}"),
@@ -73,7 +73,7 @@ class PlainView:
 
     def eval(self, row: dict) -> None:
         self._print(
-            f"eval {row['step']}/{self._max_steps} " + " ".join(f"{k} {v}" for k, v in eval_fields(row))
+            f"eval {row['step']:>6}/{self._max_steps} " + " ".join(f"{k} {v}" for k, v in eval_fields(row))
         )
 
     def note(self, msg: str) -> None:

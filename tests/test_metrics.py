@@ -137,10 +137,10 @@ def test_metrics_jsonl_rows(tmp_path, dist1, capsys):
     assert not ANSI.search(out)  # console=plain
     step_lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(step_lines) == 2 and step_lines[0].startswith(
-        "step 2/4 loss 3.0000 lr 1.250e-01 grad_norm 1.500"
+        "step      2/4 loss 3.0000 lr 1.250e-01 grad_norm 1.500"
     )
     assert "mfu " in step_lines[0] and "eta " in step_lines[0]
-    assert any(line.startswith("eval 4/4 eval_loss 1.5000") for line in out.splitlines())
+    assert any(line.startswith("eval      4/4 eval_loss 1.5000") for line in out.splitlines())
     assert "muonrun FLOPs/token" in out and "muonrun versions" in out
 
 
@@ -175,7 +175,7 @@ def test_auto_console_is_plain_when_not_a_tty(tmp_path, dist1, capsys):
     m.note("a note")
     m.close()
     out = capsys.readouterr().out
-    assert "step 2/4 loss 1.5000" in out and "a note" in out
+    assert "step      2/4 loss 1.5000" in out and "a note" in out
     assert not ANSI.search(out)
 
 
@@ -369,3 +369,54 @@ def test_wandb_missing_warns(tmp_path, dist1, monkeypatch):
     with pytest.warns(UserWarning, match="wandb is not installed"):
         m = Metrics(cfg, dist1, flops_per_token=1.0)
     m.close()
+
+
+@pytest.mark.slow
+def test_pretrain_run_writes_metrics(tmp_path):
+    """The one real run here: 1 in-process worker, 3 steps of a smaller tiny model, stdout not a terminal."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    args = [
+        f"output_dir={out}",
+        "name=e2e",
+        "model.hf.hidden_size=64",
+        "model.hf.intermediate_size=128",
+        "model.hf.num_hidden_layers=2",
+        "data.seq_len=64",
+        "train.micro_batch_size=2",
+        "train.max_steps=3",
+        "train.eval_interval=3",
+        "train.eval_steps=1",
+        "logging.log_interval=1",
+        "logging.peak_tflops=1.0",
+        "checkpoint.save_at_end=false",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "muonrun", "pretrain", "tiny", *args, "--nproc-per-node", "1"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = read_rows(to_object(load_config("tiny", args)))
+    start, train, evals = rows[0], [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+    assert start["event"] == "start" and start["name"] == "e2e" and start["optimizer"] == "adamw"
+    assert start["flops_per_token"] > 0 and start["peak_tflops"] == 1.0 and start["git_sha"] != ""
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert r["tokens_seen"] == r["step"] * 2 * 64
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["lr"] > 0
+        assert r["tokens_per_s"] == pytest.approx(2 * 64 / r["step_time"])
+        assert r["mfu"] == pytest.approx(r["tokens_per_s_per_device"] * start["flops_per_token"] / 1e12)
+        assert r["data_wait_time"] >= 0 and r["peak_mem_gib"] > 0
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert len(evals) == 1 and evals[0]["eval_ppl"] == pytest.approx(
+        math.exp(evals[0]["eval_loss"]), rel=1e-5
+    )
+    assert not ANSI.search(result.stdout)
+    assert "muonrun FLOPs/token" in result.stdout and "step      3/3 loss" in result.stdout
