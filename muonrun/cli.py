@@ -170,6 +170,22 @@ def compare(
 
 @app.command()
 @user_errors
+def export(
+    checkpoint: Annotated[
+        str, typer.Argument(help="A checkpoint folder OUTPUT_DIR/checkpoints/step-N, or a run folder (its latest).")
+    ],
+    out_dir: Annotated[str, typer.Argument(help="New folder for the Hugging Face model.")],
+    dtype: Annotated[str, typer.Option(help="Weight dtype: float32 (as trained), bfloat16 or float16.")] = "float32",
+) -> None:
+    """Write a Hugging Face folder (safetensors, config.json, tokenizer) from a muonrun checkpoint."""
+    from muonrun.checkpoint import export_hf
+
+    out = export_hf(checkpoint, out_dir, dtype)
+    print(f"Exported to {out}; load it with AutoModelForCausalLM.from_pretrained('{out}').")
+
+
+@app.command()
+@user_errors
 def bench(
     config: PresetArg = "tiny",
     overrides: OverridesArg = None,

@@ -191,11 +191,17 @@ class CheckpointConfig:
     keep_last: int = 2
     """Complete checkpoints to keep (>= 2); older ones are deleted after a new one is complete."""
     resume_from: str | None = None
-    """Resume from this checkpoint folder instead of the latest one in output_dir."""
+    """Resume (weights, optimizer, data position, step) from this checkpoint folder instead of the latest
+    complete one in output_dir; a run folder means its latest complete checkpoint."""
     init_from: str | None = None
     """Start from this checkpoint's weights only (ignored, with a warning, when output_dir has checkpoints)."""
     save_at_end: bool = True
     """Save a checkpoint after the last step."""
+    async_save: bool = False
+    """Write checkpoints in a background thread (dcp.async_save, over a separate gloo group) while training
+    continues; costs one CPU copy of this rank's state. The final and the preemption checkpoints stay synchronous."""
+    export_at_end: bool = False
+    """After the final checkpoint, also write a Hugging Face folder to OUTPUT_DIR/hf (as `muonrun export`)."""
 
 
 @dataclass
@@ -421,6 +427,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if c.checkpoint.keep_last < 2:
         raise UserError(f"Config key 'checkpoint.keep_last' is {c.checkpoint.keep_last}; keep at least 2.")
+    if c.checkpoint.export_at_end and not c.checkpoint.save_at_end:
+        raise UserError("Config key 'checkpoint.export_at_end' needs checkpoint.save_at_end=true (it exports that one).")
     if not 0.0 <= c.schedule.min_lr_ratio <= 1.0:
         raise UserError(f"Config key 'schedule.min_lr_ratio' is {c.schedule.min_lr_ratio}; it must be in [0, 1].")
     if len(c.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in c.optimizer.betas):

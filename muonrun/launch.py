@@ -6,6 +6,8 @@ inside a worker (its message is already printed), anything else for a crash.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from muonrun.config import check_world_size, to_object, to_yaml
 from muonrun.errors import UserError
 
 USER_ERROR_EXIT = 2
+NON_FINITE_EXIT = 3
 
 
 @dataclass
@@ -92,10 +95,45 @@ def launch(cfg: DictConfig) -> int:
     if plan.node_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(config_yaml)
+    os.environ["MUONRUN_LAUNCHER_PID"] = str(os.getpid())  # where MUONRUN_FAULT=term@STEP sends SIGTERM
     if plan.in_process:
-        run_worker(config_yaml)
+        from muonrun.trainer import NonFiniteError
+
+        try:
+            run_worker(config_yaml)
+        except NonFiniteError as e:
+            print(f"muonrun: {e}", file=sys.stderr, flush=True)
+            return NON_FINITE_EXIT
         return 0
     return _elastic(plan, config_yaml)
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def _worker_pids() -> list[int]:
+    """This launcher's worker processes (multiprocessing spawn children; not its resource tracker)."""
+    pids = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text().split():
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(int(pid))
+            except OSError:
+                pass
+    return pids
+
+
+def _forward_to_workers(signum, frame) -> None:
+    """SIGTERM/SIGUSR1 to the launcher (SLURM preemption, `--signal`, `kill`): pass it on to the workers,
+    which save a checkpoint at the current step and exit 0; the launcher then returns normally."""
+    import signal
+
+    for pid in _worker_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    name = signal.Signals(signum).name
+    print(f"muonrun: got {name}; the workers save a checkpoint and stop.", file=sys.stderr, flush=True)
 
 
 def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
@@ -118,6 +156,16 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
         start_method="spawn",
         monitor_interval=0.5,
     )
+    # torch.distributed.run's agent turns SIGTERM into an exception that SIGTERMs the workers and
+    # SIGKILLs them 30 s later (and it leaves SIGUSR1 at its default: death). Keep SIGTERM and SIGUSR1
+    # away from it and forward them instead, so the workers' checkpoint save can take as long as it needs.
+    if hasattr(lc, "signals_to_handle"):
+        lc.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
+    import signal
+
+    previous = {name: signal.signal(getattr(signal, name), _forward_to_workers) for name in STOP_SIGNALS}
+    # The agent logs each worker failure with its own traceback; muonrun reports failures itself below.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
     try:
         elastic_launch(lc, worker_entry)(config_yaml)
@@ -126,9 +174,14 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
         if codes == {USER_ERROR_EXIT}:
             return USER_ERROR_EXIT  # the worker already printed the one-paragraph message
         rank, failure = e.get_first_failure()
+        if failure.exitcode == NON_FINITE_EXIT:
+            return NON_FINITE_EXIT  # NaN/inf: every rank stopped before the update; rank 0 printed the step
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         print(f"muonrun: worker rank {rank} failed (exit code {failure.exitcode}).\n{message}", file=sys.stderr)
         return 1
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
     return 0
 
 
@@ -143,4 +196,4 @@ def worker_entry(config_yaml: str) -> None:
     except (UserError, NonFiniteError) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"muonrun: {e}", file=sys.stderr, flush=True)
-        sys.exit(USER_ERROR_EXIT if isinstance(e, UserError) else 3)
+        sys.exit(USER_ERROR_EXIT if isinstance(e, UserError) else NON_FINITE_EXIT)

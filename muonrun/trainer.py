@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from muonrun import faults
 from muonrun.checkpoint import Checkpointer
 from muonrun.config import Config
 from muonrun.data import build_loader, build_tokenizer
-from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
+from muonrun.distributed import Dist, all_reduce_max, all_reduce_mean, init_distributed, pick_device_type
 from muonrun.metrics import Metrics
 from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
 from muonrun.optim import build_optimizers
@@ -111,6 +112,7 @@ class Trainer:
             batch, wait = self.next_batch()
             data_wait += wait
             loss = self.model(batch["input_ids"], batch["labels"]) / accum
+            loss = faults.corrupt_loss(loss, self.state.step + 1, self.dist.rank)  # MUONRUN_FAULT=nan@STEP
             loss.backward()
             loss_sum += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -118,10 +120,12 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        # The global norm is the same on every rank, so every rank stops together.
-        if not torch.isfinite(grad_norm):
+        # Agreed across ranks (the loss is per rank), so every rank stops together, before the update.
+        bad = torch.stack([~torch.isfinite(loss_sum), ~torch.isfinite(grad_norm)]).float()
+        if all_reduce_max(bad).any():
             raise NonFiniteError(
-                f"Gradient norm is {grad_norm.item()} at step {self.state.step + 1} (loss {loss_sum.item():.4f} on "
+                f"Loss or gradient norm is not finite at step {self.state.step + 1} (grad norm {grad_norm.item()}, "
+                f"loss {loss_sum.item():.4f} on "
                 f"rank {self.dist.rank}); stopped before the optimizer step. The last checkpoint is intact: lower "
                 "the learning rate or raise warmup, then resume."
             )
@@ -151,6 +155,7 @@ class Trainer:
             lr_mult = self.set_lr()
             loss, grad_norm, data_wait = self.train_step()
             self.state.step += 1
+            faults.after_step(self.state.step, self.dist.rank)  # MUONRUN_FAULT=kill@STEP / term@STEP
             self.state.tokens_seen += self.tokens_per_step * self.dist.world_size
             step = self.state.step
             log_now = step % cfg.logging.log_interval == 0 or step == cfg.train.max_steps
@@ -192,6 +197,7 @@ def run_worker(config_yaml: str) -> None:
     trainer = Trainer(cfg)
     try:
         trainer.train()
+        trainer.checkpointer.finish(trainer)  # publish a pending async save; export_at_end
     finally:
         trainer.close()
         destroy()

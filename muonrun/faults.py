@@ -1,0 +1,76 @@
+"""Fault injection for tests and drills, read from ONE environment variable: MUONRUN_FAULT.
+
+    MUONRUN_FAULT=nan@7            rank 0's loss becomes NaN at step 7 (the run must stop before the update)
+    MUONRUN_FAULT=kill@7           rank 0 SIGKILLs itself after step 7's optimizer step (a crashed worker)
+    MUONRUN_FAULT=kill@save:8      rank 0 SIGKILLs itself in the middle of step 8's checkpoint save
+    MUONRUN_FAULT=term@6           rank 0 sends SIGTERM to the launcher after step 6 (like a scheduler
+                                   preempting the job: the launcher forwards it to every worker)
+
+Append `:rN` to pick another rank (`nan@7:r1`). A fault fires only in the first attempt of a job
+(TORCHELASTIC_RESTART_COUNT unset or 0), so `--max-restarts` can show the recovery.
+Example:  MUONRUN_FAULT=kill@save:8 muonrun pretrain tiny checkpoint.interval=4 --max-restarts 1
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+import torch
+
+ENV = "MUONRUN_FAULT"
+LAUNCHER_PID_ENV = "MUONRUN_LAUNCHER_PID"
+_SPEC = re.compile(r"^(nan|kill|term)@(save:)?(\d+)(?::r(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # nan | kill | term
+    step: int
+    at_save: bool = False
+    rank: int = 0
+
+
+def parse(spec: str | None) -> Fault | None:
+    if not spec:
+        return None
+    m = _SPEC.match(spec.strip())
+    if not m or (m.group(2) and m.group(1) != "kill"):
+        raise ValueError(
+            f"{ENV}='{spec}' is not one of nan@STEP, kill@STEP, kill@save:STEP, term@STEP (+ :rRANK)"
+        )
+    return Fault(m.group(1), int(m.group(3)), bool(m.group(2)), int(m.group(4) or 0))
+
+
+def _active(rank: int) -> Fault | None:
+    fault = parse(os.environ.get(ENV))
+    if fault is None or fault.rank != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None
+    return fault
+
+
+def _fires(kind: str, step: int, rank: int, at_save: bool = False) -> bool:
+    f = _active(rank)
+    return f is not None and f.kind == kind and f.step == step and f.at_save == at_save
+
+
+def corrupt_loss(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    """`nan@STEP`: the loss of step STEP (1-based, the step being computed) becomes NaN."""
+    return loss * float("nan") if _fires("nan", step, rank) else loss
+
+
+def after_step(step: int, rank: int) -> None:
+    """`kill@STEP` and `term@STEP`, checked after step STEP's update."""
+    if _fires("kill", step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _fires("term", step, rank):
+        os.kill(int(os.environ.get(LAUNCHER_PID_ENV, os.getpid())), signal.SIGTERM)
+
+
+def during_save(step: int, rank: int) -> None:
+    """`kill@save:STEP`: called after this rank wrote its part of step STEP's checkpoint, before it
+    is published."""
+    if _fires("kill", step, rank, at_save=True):
+        os.kill(os.getpid(), signal.SIGKILL)
