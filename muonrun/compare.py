@@ -259,7 +259,7 @@ def plot(runs: list[Run], out: Path, smoothing: float, target: float, title: str
 
 
 def compare(
-    run_dirs: list[str | Path], out: str | Path, smoothing: float = 0.8, title: str | None = None
+    run_dirs: list[str | Path], out: str | Path, smoothing: float = 0.6, title: str | None = None
 ) -> list[dict]:
     """Load, summarize, plot to `out` (PNG), write `out` with .md, print the table; returns the table rows."""
     if not run_dirs:
