@@ -170,29 +170,6 @@ def compare(
 
 @app.command()
 @user_errors
-def compare(
-    run_dirs: Annotated[
-        list[str],
-        typer.Argument(metavar="RUN_DIR", help="Run folders (each run's output_dir: metrics.jsonl, config.yaml)."),
-    ],
-    out: Annotated[
-        str, typer.Option("--out", "-o", help="PNG to draw; the table is also written as FILE.md.")
-    ] = "compare.png",
-    smoothing: Annotated[
-        float, typer.Option(help="EMA smoothing of the loss per logged row, in [0, 1); 0 plots the raw loss.")
-    ] = 0.8,
-    title: Annotated[str | None, typer.Option(help="Figure title (default: the runs' labels).")] = None,
-) -> None:
-    """Plot runs' loss vs step, tokens and wall time, and print a table: final and best eval loss, tokens/s,
-    MFU, and the steps/tokens each run needed to reach the worse run's final loss."""
-    from muonrun.compare import compare as compare_runs
-
-    compare_runs(run_dirs, out, smoothing=smoothing, title=title)
-    print(f"Wrote {out} and {out.removesuffix('.png')}.md")
-
-
-@app.command()
-@user_errors
 def export(
     checkpoint: Annotated[
         str, typer.Argument(help="A checkpoint folder OUTPUT_DIR/checkpoints/step-N, or a run folder (its latest).")
