@@ -148,33 +148,39 @@ def newton_schulz(
     """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in bf16.
 
     ``G`` is a matrix ``[rows, cols]`` or a stack ``[..., rows, cols]`` (every matrix normalised and
-    iterated independently, in one batched matmul per product). Like torch.optim.Muon's
-    ``_zeropower_via_newtonschulz``: cast to bf16, work on the transpose when ``rows > cols``,
-    ``X /= max(||X||_F, eps)``, then per iteration ``A = X X^T; B = b A + c A A; X = a X + B X``.
-    Returns a bf16 tensor of ``G``'s shape (possibly non-contiguous).
+    iterated independently, in one batched matmul per product). Same arithmetic as torch.optim.Muon's
+    ``_zeropower_via_newtonschulz``: cast to bf16, ``X /= max(||X||_F, eps)``, then per iteration
+    ``A = X X^T; B = b A + c A A; X = a X + B X`` on the wide orientation. A tall matrix (``rows >
+    cols``) is not transposed in memory: the same iteration is written ``A = X^T X; X = a X + X B^T``,
+    so every tensor stays contiguous and cuBLAS reads the transposes for free.
+    Returns a contiguous bf16 tensor of ``G``'s shape.
     """
     per_step, default_scale = resolve_ns_coefficients(coefficients, steps)
     scale = default_scale if norm_scale is None else norm_scale
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
     rows, cols = G.shape[-2], G.shape[-1]
-    X = G.to(torch.bfloat16)
-    batch_shape = X.shape[:-2]
-    X = X.reshape(-1, rows, cols) if G.ndim != 3 else X
-    transpose = rows > cols
-    if transpose:
-        X = X.mT
+    X = G.to(torch.bfloat16).reshape(-1, rows, cols)
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     if scale != 1.0:
         norm = norm * scale
     X = X / norm.clamp(min=eps)  # new tensor: never writes into G
+    return _ns_iterate(X, per_step).reshape(G.shape)
+
+
+def _ns_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]]) -> Tensor:
+    """Newton–Schulz iterations on a normalised bf16 stack ``[k, rows, cols]`` (returns a new tensor)."""
+    tall = X.shape[-2] > X.shape[-1]
     for a, b, c in per_step:
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    if transpose:
-        X = X.mT
-    return X.reshape(*batch_shape, rows, cols) if G.ndim != 3 else X
+        if tall:  # the iteration on X^T, transposed back: A = X^T X, X = a X + X B^T
+            A = torch.bmm(X.mT, X)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, X, B.mT, beta=a)
+        else:
+            A = torch.bmm(X, X.mT)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, B, X, beta=a)
+    return X.contiguous()
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -299,6 +305,9 @@ class _Bucket:
     recv_numel: int
     owned: list[_Owned]
     per_source: int  # elements per source in the owner buffer
+    by_group: list[tuple[int, list[_Item]]] = field(default_factory=list)  # momentum, decay
+    by_update: list[tuple[int, int, int, list[_Item]]] = field(default_factory=list)  # (group, rows, cols)
+    padding: list[tuple[int, int]] = field(default_factory=list)  # send-buffer ranges to zero
 
 
 @dataclass
@@ -482,17 +491,27 @@ class Muon(torch.optim.Optimizer):
                     else:
                         owned.append(_Owned(it.rows, it.cols, it.chunk, 1, seg))
                     seg += it.chunk * it.cols
-                part.buckets.append(
-                    _Bucket(
-                        items=bitems,
-                        send_splits=send_splits,
-                        recv_splits=[per_source] * W,
-                        send_numel=offset,
-                        recv_numel=per_source * W,
-                        owned=owned,
-                        per_source=per_source,
-                    )
+                bucket = _Bucket(
+                    items=bitems,
+                    send_splits=send_splits,
+                    recv_splits=[per_source] * W,
+                    send_numel=offset,
+                    recv_numel=per_source * W,
+                    owned=owned,
+                    per_source=per_source,
                 )
+                by_group: dict[int, list[_Item]] = {}
+                by_update: dict[tuple[int, int, int], list[_Item]] = {}
+                for it in bitems:
+                    by_group.setdefault(it.group_index, []).append(it)
+                    by_update.setdefault((it.group_index, it.rows, it.cols), []).append(it)
+                    if it.local_rows < it.chunk:  # zero rows: the owner's norm runs over whole slabs
+                        bucket.padding.append(
+                            (it.offset + it.local_rows * it.cols, it.offset + it.chunk * it.cols)
+                        )
+                bucket.by_group = list(by_group.items())
+                bucket.by_update = [(g, r, c, its) for (g, r, c), its in by_update.items()]
+                part.buckets.append(bucket)
         plan = list(partitions.values())
         self._verify_plan(plan)
         return plan
@@ -568,41 +587,50 @@ class Muon(torch.optim.Optimizer):
         return buf
 
     def _prepare(self, part: _Partition, bucket: _Bucket, hyper) -> Tensor:
-        """Momentum on local rows; writes the bf16 (padded) slabs into the send buffer."""
+        """Momentum on local rows; writes the bf16 slabs (padding rows zeroed) into the send buffer."""
         send = torch.empty(bucket.send_numel, dtype=torch.bfloat16, device=part.device)
-        by_group: dict[int, tuple[list, list, list]] = {}
-        for it in bucket.items:
-            p = it.param
-            if p.grad.is_sparse:
-                raise RuntimeError("Muon does not support sparse gradients")
-            bufs, grads, dsts = by_group.setdefault(it.group_index, ([], [], []))
-            bufs.append(_local(self._momentum_buffer(p)))
-            grads.append(_local(p.grad))
-            dsts.append(send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols))
-        for gi, (bufs, grads, dsts) in by_group.items():
+        for gi, items in bucket.by_group:
             _, _, momentum, nesterov, _ = hyper[gi]
+            bufs, grads, dsts = [], [], []
+            for it in items:
+                grad = it.param.grad
+                if grad.is_sparse:
+                    raise RuntimeError("Muon does not support sparse gradients")
+                bufs.append(_local(self._momentum_buffer(it.param)))
+                grads.append(_local(grad))
+                dsts.append(
+                    send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
+                )
             torch._foreach_lerp_(bufs, grads, 1 - momentum)
             upd = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
             torch._foreach_copy_(dsts, upd)
+        for lo, hi in bucket.padding:
+            send[lo:hi].zero_()
         return send
 
     def _orthogonalize(self, part: _Partition, bucket: _Bucket, recv: Tensor) -> None:
-        """Owner side: reassemble owned matrices from ``recv``, Newton–Schulz, write results back."""
+        """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz,
+        write the results back into ``recv`` in the same (padded, per-destination) layout."""
         W = part.shard.world
         per_step, eps, norm_scale = part.ns
         grid = recv.view(W, bucket.per_source)
         for own in bucket.owned:
             k, R, C, c = own.count, own.rows, own.cols, own.chunk
             slabs = grid[:, own.offset : own.offset + k * c * C].view(W, k, c, C)
+            # padding rows are zero, so the norm over whole slabs is the matrix's Frobenius norm
+            norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
+            if norm_scale != 1.0:
+                norm = norm * norm_scale
+            norm = norm.clamp_(min=eps)
             if W == 1:
-                X = slabs[0][:, :R]
+                X = slabs[0].div_(norm.view(k, 1, 1))  # in place: the buffer is ours
             else:
                 full = torch.empty(k, W * c, C, dtype=torch.bfloat16, device=recv.device)
-                full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
+                torch.div(slabs.transpose(0, 1), norm.view(k, 1, 1, 1), out=full.view(k, W, c, C))
                 X = full[:, :R]
-            out = newton_schulz(X, len(per_step), per_step, eps, norm_scale=norm_scale)
+            out = _ns_iterate(X, per_step)
             if W * c == R:
-                slabs.copy_(out.reshape(k, W, c, C).transpose(0, 1))
+                slabs.copy_(out.view(k, W, c, C).transpose(0, 1))
             else:
                 nfull, rem = divmod(R, c)
                 if nfull:
@@ -613,23 +641,18 @@ class Muon(torch.optim.Optimizer):
 
     def _apply(self, bucket: _Bucket, result: Tensor, hyper) -> None:
         """Weight decay and the scaled update on this rank's rows."""
-        decay: dict[int, list[Tensor]] = {}
-        updates: dict[tuple, tuple[list, list]] = {}
-        for it in bucket.items:
-            p = _local(it.param)
-            lr, wd, _, _, fn = hyper[it.group_index]
-            decay.setdefault(it.group_index, []).append(p)
-            u = result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
-            ps, us = updates.setdefault((it.group_index, it.rows, it.cols), ([], []))
-            ps.append(p)
-            us.append(u)
-        for gi, ps in decay.items():
+        for gi, items in bucket.by_group:
             lr, wd = hyper[gi][0], hyper[gi][1]
             factor = 1 - lr * wd
             if factor != 1.0:
-                torch._foreach_mul_(ps, factor)
-        for (gi, rows, cols), (ps, us) in updates.items():
+                torch._foreach_mul_([_local(it.param) for it in items], factor)
+        for gi, rows, cols, items in bucket.by_update:
             lr, fn = hyper[gi][0], hyper[gi][4]
+            ps = [_local(it.param) for it in items]
+            us = [
+                result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
+                for it in items
+            ]
             torch._foreach_add_(ps, us, alpha=-adjust_lr(lr, fn, (rows, cols)))
 
     def _step_partition(self, part: _Partition, hyper) -> None:
