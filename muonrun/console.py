@@ -160,6 +160,6 @@ class RichView:
 
 def make_view(mode: str, prefix: str = "") -> PlainView | RichView:
     """`plain`, `rich` (even when stdout is not a terminal) or `auto` (rich on a terminal)."""
-    if mode == "rich" or (mode == "auto" and not prefix and sys.stdout.isatty()):
+    if mode == "rich" or (mode == "auto" and sys.stdout.isatty()):
         return RichView(force_terminal=True if mode == "rich" else None)
     return PlainView(prefix=prefix)

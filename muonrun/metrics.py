@@ -133,8 +133,18 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def _scalars(row: dict) -> dict[str, float]:
+def _numbers(row: dict) -> dict[str, float]:
     return {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def _tags(row: dict) -> dict[str, float]:
+    """A train or eval row's numbers as TensorBoard / W&B tags: `train/loss`, `eval/loss`, `eval/ppl`, ..."""
+    section = "eval" if "eval_loss" in row else "train"
+    return {
+        f"{section}/{k.removeprefix('eval_')}": v
+        for k, v in _numbers(row).items()
+        if k not in ("step", "time")
+    }
 
 
 class JsonlSink:
@@ -168,10 +178,8 @@ class TensorBoardSink:
         if row.get("event") == "start":
             self.writer.add_text("run", "```\n" + json.dumps(row, indent=2) + "\n```", row["step"])
             return
-        section = "eval" if "eval_loss" in row else "train"
-        for key, value in _scalars(row).items():
-            if key not in ("step", "time"):
-                self.writer.add_scalar(f"{section}/{key.removeprefix('eval_')}", value, row["step"])
+        for tag, value in _tags(row).items():
+            self.writer.add_scalar(tag, value, row["step"])
 
     def close(self) -> None:
         self.writer.close()
@@ -182,13 +190,11 @@ class WandbSink:
 
     def __init__(self, cfg: Config, out: Path):
         import wandb
+        from omegaconf import OmegaConf
 
         id_file = out / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
         id_file.write_text(run_id)
-        from omegaconf import OmegaConf
-
-        self.wandb = wandb
         self.run = wandb.init(
             project=cfg.logging.wandb_project,
             entity=cfg.logging.wandb_entity,
@@ -204,11 +210,9 @@ class WandbSink:
 
     def write(self, row: dict) -> None:
         if row.get("event") == "start":
-            self.run.summary.update({f"start/{k}": v for k, v in _scalars(row).items()})
+            self.run.summary.update({f"start/{k}": v for k, v in _numbers(row).items()})
             return
-        section = "eval" if "eval_loss" in row else "train"
-        values = {f"{section}/{k.removeprefix('eval_')}": v for k, v in _scalars(row).items() if k != "step"}
-        self.run.log({"step": row["step"], **values})
+        self.run.log({"step": row["step"], **_tags(row)})
 
     def close(self) -> None:
         self.run.finish()
@@ -358,8 +362,8 @@ class Metrics:
             rows.append(("peak", "unknown: MFU not reported (set logging.peak_tflops to report it)"))
         rows.append(("versions", ", ".join(f"{k} {v}" for k, v in info["versions"].items())))
         rows.append(("git", info["git_sha"] or "not a git checkout"))
-        if state_step := info["step"]:
-            rows.append(("resumed", f"at step {state_step:,} ({info['tokens_seen']:,} tokens seen)"))
+        if info["step"]:
+            rows.append(("resumed", f"at step {info['step']:,} ({info['tokens_seen']:,} tokens seen)"))
         return rows
 
     def start(self, state) -> None:
