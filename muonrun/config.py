@@ -179,9 +179,9 @@ class TrainConfig:
     """Evaluate on data.eval_sources every N steps (0: never)."""
     eval_steps: int = 10
     """Batches per evaluation."""
-    loss_chunk_tokens: int = 8192
-    """Tokens per chunk of LM head + cross-entropy; chunks are recomputed in backward so the full
-    fp32 logits never exist. 0: one chunk (fastest for small vocabularies, most memory)."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the fused LM head + cross-entropy (gradients computed chunk by chunk in
+    forward), so the full fp32 logits never exist. 0: one chunk (fine for small vocabularies)."""
 
 
 @dataclass

@@ -10,10 +10,10 @@ import os
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from muonrun.config import ModelConfig
 from muonrun.errors import UserError
+from muonrun.loss import linear_cross_entropy_sum
 
 
 def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
@@ -60,7 +60,9 @@ def build_model(m: ModelConfig, hf_config) -> nn.Module:
                 hf_config, attn_implementation=m.attn_implementation, dtype=torch.float32
             )
         except (ValueError, ImportError) as e:
-            raise UserError(f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}") from None
+            raise UserError(
+                f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}"
+            ) from None
     return model
 
 
@@ -109,7 +111,9 @@ def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) 
                 param.copy_(full)
         buffers = dict(module.named_buffers(recurse=False))
         if buffers:
-            assert hasattr(module, "config"), f"no rule to initialise the buffers of {mod_name}: {list(buffers)}"
+            assert hasattr(module, "config"), (
+                f"no rule to initialise the buffers of {mod_name}: {list(buffers)}"
+            )
             with torch.device("cpu"):
                 fresh = type(module)(module.config)
             for b_name, buf in buffers.items():
@@ -117,36 +121,26 @@ def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) 
 
 
 class CausalLMWithLoss(nn.Module):
-    """The root FSDP unit: backbone, then LM head + cross-entropy in chunks of tokens.
+    """The root FSDP unit: backbone, then LM head + cross-entropy fused over chunks of tokens
+    (muonrun/loss.py), so the full [tokens x vocab] fp32 logits never exist (151,936-way vocab for
+    Qwen2). `loss_chunk_tokens=0` computes all logits at once."""
 
-    Each chunk's logits are recomputed in backward instead of kept, so the full
-    [tokens x vocab] fp32 logits never exist (151,936-way vocab for Qwen2). `loss_chunk_tokens=0`
-    computes all logits at once.
-    """
-
-    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 8192):
+    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 4096):
         super().__init__()
         self.lm = lm
         self.loss_chunk_tokens = loss_chunk_tokens
+        head = lm.get_output_embeddings()
+        assert isinstance(head, nn.Linear) and head.bias is None, (
+            "the fused loss expects a bias-free Linear LM head"
+        )
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = self.lm.base_model(input_ids=input_ids).last_hidden_state
-        hidden, labels = hidden.flatten(0, 1), labels.flatten()
-        head = self.lm.get_output_embeddings()
-        chunk = self.loss_chunk_tokens or hidden.shape[0]
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], chunk):
-            h, y = hidden[start : start + chunk], labels[start : start + chunk]
-            if chunk < hidden.shape[0] and torch.is_grad_enabled():
-                total = total + checkpoint(_head_loss_sum, head, h, y, use_reentrant=False)
-            else:
-                total = total + _head_loss_sum(head, h, y)
+        weight = self.lm.get_output_embeddings().weight
+        total = linear_cross_entropy_sum(
+            hidden.flatten(0, 1), weight, labels.flatten(), self.loss_chunk_tokens
+        )
         return total / labels.numel()
-
-
-def _head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
-    return nn.functional.cross_entropy(logits, labels, reduction="sum")
 
 
 def count_params(model: nn.Module) -> dict[str, int]:

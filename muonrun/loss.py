@@ -1,0 +1,71 @@
+"""LM head + cross-entropy fused over chunks of tokens, gradients computed in the forward pass.
+
+For each chunk of `chunk` tokens: logits = h @ W^T (in the compute dtype), log-softmax in fp32, loss,
+and right away dL/dlogits = softmax - onehot, from which dL/dh = g @ W and dL/dW += g^T @ h. Only one
+chunk of logits ever exists (never the [tokens x 151,936] fp32 tensor a plain loss builds) and nothing
+is recomputed in backward, which only scales the stored gradients. Same idea as Liger-Kernel's
+fused linear cross-entropy, in plain PyTorch.
+
+`pytest tests/test_loss.py` checks values and gradients against `F.cross_entropy` on full logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_h else None
+        # The weight gradient sums over chunks: keep that sum in fp32 even for bf16 weights.
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h, y = hidden[start : start + chunk], labels[start : start + chunk]
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if want_h or want_w:
+                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place over the logits
+                g[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                g = g.to(hidden.dtype)
+                if want_h:
+                    torch.mm(g, weight, out=grad_hidden[start : start + chunk])
+                if want_w:
+                    grad_weight.add_(g.t() @ h)
+        if want_w:
+            grad_weight = grad_weight.to(weight.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_total.to(grad_hidden.dtype if grad_hidden is not None else grad_weight.dtype)
+        return (
+            grad_hidden * scale if grad_hidden is not None else None,
+            grad_weight * scale if grad_weight is not None else None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int = 4096) -> Tensor:
+    """Sum over tokens of cross-entropy(hidden @ weight^T, labels); hidden [N, d], weight [V, d], labels [N]."""
+    chunk = chunk if chunk > 0 else hidden.shape[0]
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        with torch.no_grad():
+            return _LinearCrossEntropy.forward(_NoCtx(), hidden, weight, labels, chunk)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx when no gradient is wanted (evaluation)."""
+
+    needs_input_grad = (False, False, False, False)
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
