@@ -18,7 +18,7 @@ from muonrun.loss import linear_cross_entropy_sum
 
 def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
     """The transformers config from `model.name_or_path` or `model.architecture`, with `model.hf` on top."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     extra = dict(m.hf)
     if m.name_or_path:
