@@ -144,6 +144,7 @@ def newton_schulz(
     eps: float = DEFAULT_EPS,
     *,
     norm_scale: float | None = None,
+    fold_identity: bool = False,
 ) -> Tensor:
     """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in bf16.
 
@@ -153,6 +154,7 @@ def newton_schulz(
     ``A = X X^T; B = b A + c A A; X = a X + B X`` on the wide orientation. A tall matrix (``rows >
     cols``) is not transposed in memory: the same iteration is written ``A = X^T X; X = a X + X B^T``,
     so every tensor stays contiguous and cuBLAS reads the transposes for free.
+    ``fold_identity=True`` evaluates ``a X + B X`` as ``(B + a I) X`` (see ``_ns_iterate``).
     Returns a contiguous bf16 tensor of ``G``'s shape.
     """
     per_step, default_scale = resolve_ns_coefficients(coefficients, steps)
@@ -165,21 +167,29 @@ def newton_schulz(
     if scale != 1.0:
         norm = norm * scale
     X = X / norm.clamp(min=eps)  # new tensor: never writes into G
-    return _ns_iterate(X, per_step).reshape(G.shape)
+    return _ns_iterate(X, per_step, fold_identity).reshape(G.shape)
 
 
-def _ns_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]]) -> Tensor:
-    """Newton–Schulz iterations on a normalised bf16 stack ``[k, rows, cols]`` (returns a new tensor)."""
+def _ns_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], fold_identity: bool) -> Tensor:
+    """Newton–Schulz iterations on a normalised bf16 stack ``[k, rows, cols]`` (returns a new tensor).
+
+    ``fold_identity=False`` computes ``a X + B X`` with ``baddbmm(X, B, X, beta=a)`` like
+    torch.optim.Muon; being out of place, that first copies the full-size ``X`` into its output,
+    every iteration. ``fold_identity=True`` computes ``(B + a I) X``: ``a`` goes onto the small
+    Gram-sized matrix and no full-size copy is made. The results differ by where one bf16 rounding
+    happens (the diagonal of ``B + a I`` is stored in bf16): about 2% of the output's norm, the same
+    as torch's own output moves when its input moves by one bf16 ulp, and equally close to the
+    exact polar factor.
+    """
     tall = X.shape[-2] > X.shape[-1]
     for a, b, c in per_step:
-        if tall:  # the iteration on X^T, transposed back: A = X^T X, X = a X + X B^T
-            A = torch.bmm(X.mT, X)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, X, B.mT, beta=a)
+        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)  # tall: the iteration on X^T
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        if fold_identity:
+            B.diagonal(dim1=-2, dim2=-1).add_(a)
+            X = torch.bmm(X, B.mT) if tall else torch.bmm(B, X)
         else:
-            A = torch.bmm(X, X.mT)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, B, X, beta=a)
+            X = torch.baddbmm(X, X, B.mT, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.contiguous()
 
 
@@ -327,7 +337,13 @@ class Muon(torch.optim.Optimizer):
     - ``adjust_lr_fn`` also accepts ``"spectral"`` (``lr * sqrt(A/B)``);
     - ``process_group``: unused by the sharded path, which reads the shard group from each DTensor's
       device mesh; kept for API symmetry and checked to be consistent when given;
-    - ``bucket_numel``: elements (full matrices) per communication/Newton–Schulz bucket;
+    - ``torch_compatible_ns``: evaluate Newton–Schulz with torch.optim.Muon's exact sequence of bf16
+      operations (bitwise equal to it on CPU); the default folds ``a I`` into the Gram-sized
+      polynomial instead, which saves one full-size copy per iteration and agrees with torch to
+      bf16 noise (see ``_ns_iterate``);
+    - ``bucket_numel``: elements (full matrices) per communication/Newton–Schulz bucket: bigger
+      buckets mean fewer, larger collectives and batched matmuls, smaller ones earlier overlap and
+      less transient memory (about 4 bytes per element of a bucket on its owner);
     - ``prefetch``: how many buckets' all-to-alls are in flight ahead of the one being computed.
 
     ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``) and
@@ -347,7 +363,8 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: str | None = None,
         *,
         process_group: Any = None,
-        bucket_numel: int = 1 << 26,
+        torch_compatible_ns: bool = False,
+        bucket_numel: int = 1 << 28,
         prefetch: int = 2,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -374,6 +391,7 @@ class Muon(torch.optim.Optimizer):
         self.process_group = process_group
         self.bucket_numel = int(bucket_numel)
         self.prefetch = int(prefetch)
+        self.torch_compatible_ns = bool(torch_compatible_ns)
         self.stats = {"orthogonalized": 0, "all_to_all": 0}
         self._plan: list[_Partition] | None = None
         self._plan_key: tuple | None = None
@@ -628,7 +646,7 @@ class Muon(torch.optim.Optimizer):
                 full = torch.empty(k, W * c, C, dtype=torch.bfloat16, device=recv.device)
                 torch.div(slabs.transpose(0, 1), norm.view(k, 1, 1, 1), out=full.view(k, W, c, C))
                 X = full[:, :R]
-            out = _ns_iterate(X, per_step)
+            out = _ns_iterate(X, per_step, not self.torch_compatible_ns)
             if W * c == R:
                 slabs.copy_(out.view(k, W, c, C).transpose(0, 1))
             else:

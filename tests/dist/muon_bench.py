@@ -86,9 +86,15 @@ def main() -> None:
         log(f"fused AdamW step on the same matrices: {t_adamw:.2f} ms")
 
         results = {}
-        for bucket_numel, prefetch in [(1 << 26, 2), (1 << 26, 8), (1 << 24, 4), (1 << 28, 2)]:
+        configs = [(1 << 28, 2, False), (1 << 28, 2, True), (1 << 26, 2, False), (1 << 28, 8, False)]
+        for bucket_numel, prefetch, compat in configs:
             opt = Muon(
-                params, lr=0.02, adjust_lr_fn="match_rms_adamw", bucket_numel=bucket_numel, prefetch=prefetch
+                params,
+                lr=0.02,
+                adjust_lr_fn="match_rms_adamw",
+                bucket_numel=bucket_numel,
+                prefetch=prefetch,
+                torch_compatible_ns=compat,
             )
             t = timed(opt.step)
             # host-side cost of issuing a step (the GPU runs behind)
@@ -97,9 +103,10 @@ def main() -> None:
             opt.step()
             host = (time.perf_counter() - h0) * 1e3
             torch.cuda.synchronize()
-            results[(bucket_numel, prefetch)] = t
+            results[(bucket_numel, prefetch, compat)] = t
             log(
-                f"Muon step bucket_numel=2^{bucket_numel.bit_length() - 1} prefetch={prefetch}: {t:.2f} ms "
+                f"Muon step bucket_numel=2^{bucket_numel.bit_length() - 1} prefetch={prefetch} "
+                f"torch_compatible_ns={compat}: {t:.2f} ms "
                 f"(host issue {host:.1f} ms; {flops / world / (t * 1e-3) / 1e12:.0f} TFLOP/s/GPU effective)"
             )
         best = min(results, key=results.get)
@@ -112,18 +119,18 @@ def main() -> None:
             torch.randn(-(-n // world), *s, device="cuda", dtype=torch.bfloat16, generator=gen)
             for s, n in groups.items()
         ]
-        t_ns = timed(lambda st=stacks: [newton_schulz(x) for x in st])
+        t_ns = timed(lambda st=stacks: [newton_schulz(x, fold_identity=True) for x in st])
         my_flops = sum(ns_flops(s) * -(-n // world) for s, n in groups.items())
         log(
             f"NS floor (owned share, batched, no comm): {t_ns:.2f} ms = {my_flops / (t_ns * 1e-3) / 1e12:.0f} TFLOP/s"
         )
-        t_pe = timed(lambda st=stacks: [newton_schulz(x, 5, "polar_express") for x in st])
+        t_pe = timed(lambda st=stacks: [newton_schulz(x, 5, "polar_express", fold_identity=True) for x in st])
         log(f"NS floor, polar_express 5 steps: {t_pe:.2f} ms")
-        t3 = timed(lambda st=stacks: [newton_schulz(x, 3, "polar_express") for x in st])
+        t3 = timed(lambda st=stacks: [newton_schulz(x, 3, "polar_express", fold_identity=True) for x in st])
         log(f"NS floor, polar_express 3 steps: {t3:.2f} ms")
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        opt = Muon(params, lr=0.02, bucket_numel=best[0], prefetch=best[1])
+        opt = Muon(params, lr=0.02, bucket_numel=best[0], prefetch=best[1], torch_compatible_ns=best[2])
         opt.step()
         torch.cuda.synchronize()
         log(f"Muon step peak extra memory: {(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB")
