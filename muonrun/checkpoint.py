@@ -131,6 +131,28 @@ def _log(msg: str, loud: bool = False) -> None:
     print(f"muonrun: {'WARNING: ' if loud else ''}{msg}", file=sys.stderr if loud else sys.stdout, flush=True)
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: canonical name} of parameters registered twice (a tied LM head -> the input embedding)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def drop_aliases(model: torch.nn.Module, sd: dict) -> dict:
+    """Save a tied tensor once (Qwen2-0.5B's tied head would otherwise add 0.5 GB of fp32 per checkpoint)."""
+    aliases = tied_aliases(model)
+    return {k: v for k, v in sd.items() if k not in aliases}
+
+
+def add_aliases(model: torch.nn.Module, sd: dict) -> dict:
+    return {**sd, **{alias: sd[name] for alias, name in tied_aliases(model).items() if name in sd}}
+
+
 # ---------------------------------------------------------------- preemption flag
 
 
@@ -165,6 +187,7 @@ class Checkpointer:
         self.root = Path(cfg.output_dir) / "checkpoints"
         self.flag = StopFlag()
         self._published: int | None = None
+        self._stopping = False
         self._pending = None  # (step, tmp, final, tokens_seen, future) of an async save
         # Async saves run their collectives in a background thread: give them their own gloo group so
         # they never interleave with the training collectives on the default group.
@@ -187,7 +210,8 @@ class Checkpointer:
         stop, writing = flags.tolist()
         if self._pending is not None and not writing:
             self._finish_pending()
-        return stop > 0
+        self._stopping = stop > 0
+        return self._stopping
 
     def has(self, step: int) -> bool:
         pending = self._pending is not None and self._pending[0] == step
@@ -197,7 +221,11 @@ class Checkpointer:
 
     def _app_state(self, trainer: Trainer) -> dict:
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizers)
-        return {"model": model_sd, "optim": optim_sd, "train": trainer.state.state_dict()}
+        return {
+            "model": drop_aliases(trainer.model, model_sd),
+            "optim": optim_sd,
+            "train": trainer.state.state_dict(),
+        }
 
     def _rank_state(self, trainer: Trainer) -> dict:
         rng = {"cpu": torch.get_rng_state()}
@@ -217,7 +245,7 @@ class Checkpointer:
         extra = self._rank_state(trainer)
         _write_synced(tmp / f"rank{self.dist.rank}.pt", lambda f: torch.save(extra, f))
         state = self._app_state(trainer)
-        last = step >= cfg.train.max_steps or self.flag.raised is not None
+        last = step >= cfg.train.max_steps or self._stopping  # agreed by all ranks: all save the same way
         if cfg.checkpoint.async_save and not last:
             # Staging copies the state to CPU memory before async_save returns; the write runs behind
             # the next training steps and is published at the next save (or at the end).
@@ -298,12 +326,15 @@ class Checkpointer:
                 if junk.is_dir() and junk.suffix in (".tmp", ".deleting", ".replaced"):
                     shutil.rmtree(junk, ignore_errors=True)  # leftovers of an interrupted save or prune
             found = complete_checkpoints(self.root)
-            if ck.resume_from:
-                choice = ("resume", str(resolve_checkpoint(ck.resume_from)))
-            elif found:
-                choice = ("resume", str(found[-1]))
-            elif ck.init_from:
-                choice = ("init", str(resolve_checkpoint(ck.init_from)))
+            try:
+                if ck.resume_from:
+                    choice = ("resume", str(resolve_checkpoint(ck.resume_from)))
+                elif found:
+                    choice = ("resume", str(found[-1]))
+                elif ck.init_from:
+                    choice = ("init", str(resolve_checkpoint(ck.init_from)))
+            except UserError as e:  # raised on every rank below, not on rank 0 alone
+                choice = ("error", f"checkpoint.{'resume_from' if ck.resume_from else 'init_from'}: {e}")
             if choice and choice[0] == "resume" and ck.init_from:
                 _log(
                     f"checkpoint.init_from='{ck.init_from}' is IGNORED: resuming from {choice[1]} instead "
@@ -313,6 +344,8 @@ class Checkpointer:
         box = [choice]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and box[0][0] == "error":
+            raise UserError(box[0][1])
         return None if box[0] is None else (box[0][0], Path(box[0][1]))
 
     def load(self, trainer: Trainer) -> Path | None:
@@ -324,9 +357,9 @@ class Checkpointer:
             return None
         kind, path = choice
         if kind == "init":
-            sd = get_model_state_dict(trainer.model)
+            sd = drop_aliases(trainer.model, get_model_state_dict(trainer.model))
             dcp.load({"model": sd}, checkpoint_id=path)
-            set_model_state_dict(trainer.model, sd)
+            set_model_state_dict(trainer.model, add_aliases(trainer.model, sd))
             if self.dist.is_main:
                 _log(
                     f"weights initialised from {path} (checkpoint.init_from; optimizer and data start fresh)"
@@ -354,7 +387,7 @@ class Checkpointer:
         set_state_dict(
             trainer.model,
             trainer.optimizers,
-            model_state_dict=state["model"],
+            model_state_dict=add_aliases(trainer.model, state["model"]),
             optim_state_dict=state["optim"],
         )
         for opt, groups in zip(trainer.optimizers, settings, strict=True):

@@ -1,0 +1,126 @@
+"""Checkpoint save / load / export timing and size, with the real Trainer and Checkpointer.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 8 scripts/bench_checkpoint.py qwen2-adamw-fsdp2
+    python -m torch.distributed.run --standalone --nproc-per-node 8 scripts/bench_checkpoint.py qwen2-muon-fsdp2
+    python scripts/bench_checkpoint.py tiny --out /tmp/ckbench       # CPU smoke test, one process
+
+It trains --steps steps (so the optimizer state exists), then times: a synchronous save (and its size
+on disk), an async save (time blocking the training loop, then until published), a load (resume) into
+the same model and optimizers, and (rank 0) an HF export in bfloat16. Data defaults to the Python
+standard library with the byte tokenizer so no network is needed (--hub-data keeps the preset's data).
+Prints one JSON object on rank 0. Remove --out afterwards: a 0.5B AdamW checkpoint is about 6 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+OFFLINE_DATA = ["data.tokenizer=byte", "data.sources=[{path: '${stdlib:}/*.py'}]", "data.eval_sources=[]"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config", nargs="?", default="qwen2-adamw-fsdp2")
+    ap.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides")
+    ap.add_argument(
+        "--out", default="/tmp/muonrun-ckbench", help="output_dir of the benchmark run (deleted first)"
+    )
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--hub-data", action="store_true", help="keep the preset's data and tokenizer")
+    ap.add_argument("--no-export", action="store_true")
+    args = ap.parse_args()
+
+    from muonrun.checkpoint import export_hf
+    from muonrun.config import load_config, to_object, to_yaml
+    from muonrun.distributed import destroy
+    from muonrun.model import count_params
+    from muonrun.trainer import Trainer
+
+    out = Path(args.out)
+    overrides = [
+        *([] if args.hub_data else OFFLINE_DATA),
+        f"output_dir={out}",
+        f"train.max_steps={args.steps}",
+        "train.eval_interval=0",
+        "checkpoint.interval=0",
+        "checkpoint.save_at_end=false",
+        "logging.console=plain",
+        f"logging.log_interval={args.steps}",
+        *args.overrides,
+    ]
+    cfg_node = load_config(args.config, overrides)
+    cfg = to_object(cfg_node)
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        (out / "config.yaml").write_text(to_yaml(cfg_node))  # what `muonrun export` reads
+    trainer = Trainer(cfg)
+    ck, dev, main_rank = trainer.checkpointer, trainer.dist.device, trainer.dist.is_main
+    trainer.train()
+    result: dict = {
+        "config": args.config,
+        "world_size": trainer.dist.world_size,
+        "params": count_params(trainer.model.lm)["total"],
+        "optimizer": cfg.optimizer.name,
+    }
+
+    sync(dev)
+    t = time.perf_counter()
+    path = ck.save(trainer)
+    sync(dev)
+    result["save_s"] = time.perf_counter() - t
+    result["size_gib"] = folder_bytes(path) / 2**30 if main_rank else None
+    result["save_gib_per_s"] = result["size_gib"] / result["save_s"] if main_rank else None
+
+    ck.cfg.checkpoint.async_save = True  # async needs its gloo group, made here as Checkpointer would
+    ck._pg = dist.new_group(backend="gloo")
+    trainer.state.step += 1  # a second folder
+    cfg.train.max_steps = trainer.state.step + 1  # not the last step: stays async
+    sync(dev)
+    t = time.perf_counter()
+    ck.save(trainer)
+    result["async_blocking_s"] = time.perf_counter() - t
+    ck._finish_pending()
+    sync(dev)
+    result["async_total_s"] = time.perf_counter() - t
+
+    sync(dev)
+    t = time.perf_counter()
+    ck._resume(trainer, path)
+    sync(dev)
+    result["load_s"] = time.perf_counter() - t
+
+    if main_rank and not args.no_export:
+        t = time.perf_counter()
+        hf = export_hf(path, out / "hf", dtype="bfloat16")
+        result["export_bf16_s"] = time.perf_counter() - t
+        result["export_gib"] = folder_bytes(hf) / 2**30
+    if main_rank:
+        print(
+            "BENCH " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()})
+        )
+    trainer.close()
+    destroy()
+
+
+if __name__ == "__main__":
+    main()
