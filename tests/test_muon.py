@@ -240,6 +240,19 @@ def test_param_groups_lr_changes_and_none_grads():
     assert len(untouched.state) == 0
 
 
+def test_changing_ns_settings_between_steps_takes_effect():
+    params = make_params(8)
+    opt = Muon(params, lr=LR)
+    set_grads([params], 0)
+    opt.step()
+    opt.param_groups[0]["ns_steps"] = 3
+    opt.param_groups[0]["ns_coefficients"] = "polar_express"
+    set_grads([params], 1)
+    opt.step()
+    (part,) = opt._plan
+    assert part.ns[0] == POLAR_EXPRESS_COEFFICIENTS[:3]
+
+
 def test_state_dict_round_trip():
     init = make_params(7)
     a = [p.clone() for p in init]

@@ -55,6 +55,19 @@ tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
 
 Optimizer state is one ``momentum_buffer`` per matrix with the parameter's type and placement
 (AdamW keeps two), present on every rank, so ``torch.distributed.checkpoint`` works unchanged.
+
+Performance (measured, 2 x H200 NVLink, torch 2.11, NCCL; hidden matrices only, median step)
+------------------------------------------------------------------------------------------
+- Qwen2-0.5B (168 matrices, 358M params, 7.2 TFLOP of Newton–Schulz per step): 12.0 ms per step
+  (torch-compatible arithmetic 13.5 ms); this rank's Newton–Schulz alone 7.0 ms; one GPU 19.5 ms.
+- Qwen2-1.5B (196 matrices, 1.31B params, 44.8 TFLOP): 50.4 ms (compatible 55.5 ms); Newton–Schulz
+  alone 37.5 ms at ~600 TFLOP/s; one GPU 91 ms.
+The GPU profile is ~75% batched bf16 GEMMs (``bmm``), the rest memory-bound elementwise passes
+(momentum lerps, the fp32 += bf16 update, reassembly); the all-to-alls (~0.8 ms each) run on NCCL's
+stream under the GEMMs; host time to issue a step (5-12 ms) stays below the GPU time. Knobs:
+``bucket_numel`` (2^28 best; small buckets cost host time), ``prefetch`` (little effect),
+``torch_compatible_ns`` (+10%), ``ns_steps`` with ``ns_coefficients="polar_express"`` (3 steps cut
+Newton–Schulz by 38%). ``tests/dist/muon_bench.py`` reproduces these numbers.
 """
 
 from __future__ import annotations
@@ -565,7 +578,11 @@ class Muon(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
                     active.append((gi, i, p))
-        key = tuple((gi, id(p)) for gi, _, p in active)
+        ns_config = tuple(
+            (resolve_ns_coefficients(g["ns_coefficients"], g["ns_steps"]), float(g["eps"]))
+            for g in self.param_groups
+        )
+        key = (tuple((gi, id(p)) for gi, _, p in active), ns_config)
         if self._plan is None or key != self._plan_key:
             self._plan = self._build_plan(active)
             self._plan_key = key
