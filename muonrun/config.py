@@ -225,6 +225,8 @@ class LoggingConfig:
     time_optimizer: bool = False
     """Synchronize the device around the optimizer step to log `optimizer_step_time` (benchmarks;
     costs a little speed)."""
+    profile: bool = False
+    """Profile steps 6-8 on rank 0 with torch.profiler; writes OUTPUT_DIR/profile/ops.txt."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from muonrun.metrics import Metrics
 from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
 from muonrun.optim import build_optimizers
 from muonrun.parallelize import parallelize
+from muonrun.profiling import StepProfiler
 from muonrun.schedule import lr_multiplier
 
 
@@ -153,6 +154,7 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         self.metrics.start(self.state)
+        self.profiler = StepProfiler(cfg, self.dist)
         while self.state.step < cfg.train.max_steps:
             lr_mult = self.set_lr()
             loss, grad_norm, data_wait = self.train_step()
@@ -160,6 +162,7 @@ class Trainer:
             faults.after_step(self.state.step, self.dist.rank)  # MUONRUN_FAULT=kill@STEP / term@STEP
             self.state.tokens_seen += self.tokens_per_step * self.dist.world_size
             step = self.state.step
+            self.profiler.step()
             log_now = step % cfg.logging.log_interval == 0 or step == cfg.train.max_steps
             self.metrics.record(
                 self.state,
@@ -182,6 +185,7 @@ class Trainer:
                     self.checkpointer.save(self)
                 self.metrics.note(f"Stopped by signal after step {step}; checkpoint saved. Rerun to resume.")
                 return
+        self.profiler.close()
         if cfg.checkpoint.save_at_end and not self.checkpointer.has(self.state.step):
             self.checkpointer.save(self)
 
