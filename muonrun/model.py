@@ -40,8 +40,11 @@ def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
             )
         try:
             hf = CONFIG_MAPPING[m.architecture](**extra)
-        except (TypeError, ValueError) as e:
-            raise UserError(f"model.hf does not make a valid {m.architecture} config: {e}") from None
+        except Exception as e:  # transformers' own validators raise several types
+            reason = " ".join(str(e).split())[:400] or type(e).__name__
+            raise UserError(
+                f"model.hf does not make a valid {m.architecture} config: {reason}. Fix the key under model.hf."
+            ) from None
     if vocab_size is not None and hf.vocab_size < vocab_size:
         raise UserError(
             f"The tokenizer has {vocab_size} tokens but the model's vocab_size is {hf.vocab_size}; set "

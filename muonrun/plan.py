@@ -6,9 +6,6 @@ Needs no GPU and no data: `muonrun pretrain qwen2-muon-fsdp2 --dry-run --world-s
 from __future__ import annotations
 
 from omegaconf import DictConfig
-from rich.console import Console
-from rich.table import Table
-
 from muonrun.config import check_world_size, to_object
 from muonrun.errors import UserError
 
@@ -59,7 +56,6 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
 def print_plan(cfg: DictConfig, world_size: int | None) -> None:
     s = plan_summary(cfg, world_size)
     c = to_object(cfg)
-    table = Table(title="muonrun plan (dry run: nothing was trained)", show_header=False)
     p = s["parameters"]
     rows = [
         ("model", s["model"]),
@@ -76,6 +72,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ),
         ("output", c.output_dir),
     ]
+    print("muonrun plan (dry run: nothing was trained)")
+    width = max(len(key) for key, _ in rows)
     for key, value in rows:
-        table.add_row(key, value)
-    Console().print(table)
+        print(f"  {key:<{width}}  {value}")

@@ -45,7 +45,7 @@ def test_config_docs_is_a_reference():
         (["config", "show", "tiny", "train.max_stepz=3"], "Did you mean"),
         (["config", "show", "missing-preset"], "does not exist"),
         (["pretrain", "tiny", "--dry-run", "parallel.dp_replicate=3", "--world-size", "4"], "does not fit a world of 4"),
-        (["pretrain", "tiny", "--dry-run", "model.hf.vocab_size=abc"], "model.hf.vocab_size"),
+        (["pretrain", "tiny", "--dry-run", "model.hf.vocab_size=abc"], "'vocab_size'"),
     ],
 )
 def test_user_errors_exit_2_without_traceback(args, message):

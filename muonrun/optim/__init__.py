@@ -19,11 +19,11 @@ def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> torch.op
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
 
 
-def _adamw_groups(named: list[tuple[str, nn.Parameter]], norm_bias, o: OptimizerConfig) -> list[dict]:
+def _adamw_groups(decay, no_decay, o: OptimizerConfig) -> list[dict]:
     """Weight decay on matrices (embeddings and LM head included), never on norms and biases."""
     groups = [
-        {"params": [p for _, p in named], "weight_decay": o.weight_decay, "peak_lr": o.lr},
-        {"params": [p for _, p in norm_bias], "weight_decay": 0.0, "peak_lr": o.lr},
+        {"params": [p for _, p in decay], "weight_decay": o.weight_decay, "peak_lr": o.lr},
+        {"params": [p for _, p in no_decay], "weight_decay": 0.0, "peak_lr": o.lr},
     ]
     return [g for g in groups if g["params"]]
 
@@ -32,7 +32,7 @@ def build_adamw(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[
     from muonrun.optim.groups import split_params
 
     split = split_params(model)
-    return [_adamw(_adamw_groups(split.muon + split.embedding + split.lm_head, split.norm_bias, o), o, device_type)]
+    return [_adamw(_adamw_groups(split.muon + split.adamw_decay, split.adamw_no_decay, o), o, device_type)]
 
 
 def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
@@ -54,7 +54,7 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         ns_steps=m.ns_steps,
         adjust_lr_fn=m.adjust_lr_fn,
     )
-    adamw = _adamw(_adamw_groups(split.embedding + split.lm_head, split.norm_bias, o), o, device_type)
+    adamw = _adamw(_adamw_groups(split.adamw_decay, split.adamw_no_decay, o), o, device_type)
     return [muon, adamw]
 
 
