@@ -1,8 +1,8 @@
 """The `muonrun` command line (Typer). Heavy imports (torch, transformers) happen inside commands.
 
-    muonrun pretrain                       # the tiny CPU preset, 2 workers
-    muonrun pretrain qwen2-muon-fsdp2 train.max_steps=100 --nproc-per-node 2
-    muonrun config show tiny optimizer.name=muon
+muonrun pretrain                       # the tiny CPU preset, 2 workers
+muonrun pretrain qwen2-muon-fsdp2 train.max_steps=100 --nproc-per-node 2
+muonrun config show tiny optimizer.name=muon
 """
 
 from __future__ import annotations
@@ -29,11 +29,16 @@ app.add_typer(config_app, name="config")
 err_console = Console(stderr=True, highlight=False)
 
 PresetArg = Annotated[
-    str, typer.Argument(help="YAML config file, or a built-in preset name (tiny, qwen2-adamw-fsdp2, qwen2-muon-fsdp2).")
+    str,
+    typer.Argument(
+        help="YAML config file, or a built-in preset name (tiny, qwen2-adamw-fsdp2, qwen2-muon-fsdp2)."
+    ),
 ]
 OverridesArg = Annotated[
     list[str] | None,
-    typer.Argument(help="Config overrides KEY=VALUE with dotted keys (train.max_steps=100); +KEY=VALUE adds a key."),
+    typer.Argument(
+        help="Config overrides KEY=VALUE with dotted keys (train.max_steps=100); +KEY=VALUE adds a key."
+    ),
 ]
 
 
@@ -77,15 +82,21 @@ def pretrain(
     config: PresetArg = "tiny",
     overrides: OverridesArg = None,
     nproc_per_node: Annotated[
-        int | None, typer.Option(help="Workers per node (default: every local GPU, else launch.nproc_per_node).")
+        int | None,
+        typer.Option(help="Workers per node (default: every local GPU, else launch.nproc_per_node)."),
     ] = None,
     nnodes: Annotated[int | None, typer.Option(help="Number of nodes.")] = None,
     node_rank: Annotated[int | None, typer.Option(help="Rank of this node (0 .. nnodes-1).")] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous on the head node.")] = None,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option(help="HOST:PORT of the rendezvous on the head node.")
+    ] = None,
     rdzv_id: Annotated[str | None, typer.Option(help="Job id shared by all nodes.")] = None,
     max_restarts: Annotated[int | None, typer.Option(help="Restart failed workers this many times.")] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Validate the config, build the model on the meta device, print the plan.")
+        bool,
+        typer.Option(
+            "--dry-run", help="Validate the config, build the model on the meta device, print the plan."
+        ),
     ] = False,
     world_size: Annotated[
         int | None, typer.Option(help="With --dry-run: plan for this many workers instead of this machine's.")
@@ -150,7 +161,9 @@ def prepare(config: PresetArg = "tiny", overrides: OverridesArg = None) -> None:
 def compare(
     run_dirs: Annotated[
         list[str],
-        typer.Argument(metavar="RUN_DIR", help="Run folders (each run's output_dir: metrics.jsonl, config.yaml)."),
+        typer.Argument(
+            metavar="RUN_DIR", help="Run folders (each run's output_dir: metrics.jsonl, config.yaml)."
+        ),
     ],
     out: Annotated[
         str, typer.Option("--out", "-o", help="PNG to draw; the table is also written as FILE.md.")
@@ -172,10 +185,15 @@ def compare(
 @user_errors
 def export(
     checkpoint: Annotated[
-        str, typer.Argument(help="A checkpoint folder OUTPUT_DIR/checkpoints/step-N, or a run folder (its latest).")
+        str,
+        typer.Argument(
+            help="A checkpoint folder OUTPUT_DIR/checkpoints/step-N, or a run folder (its latest)."
+        ),
     ],
     out_dir: Annotated[str, typer.Argument(help="New folder for the Hugging Face model.")],
-    dtype: Annotated[str, typer.Option(help="Weight dtype: float32 (as trained), bfloat16 or float16.")] = "float32",
+    dtype: Annotated[
+        str, typer.Option(help="Weight dtype: float32 (as trained), bfloat16 or float16.")
+    ] = "float32",
 ) -> None:
     """Write a Hugging Face folder (safetensors, config.json, tokenizer) from a muonrun checkpoint."""
     from muonrun.checkpoint import export_hf
@@ -193,8 +211,12 @@ def bench(
         list[str] | None, typer.Option(help="NAME or NAME:key=value,key=value; repeat to compare variants.")
     ] = None,
     steps: Annotated[int, typer.Option(help="Measured steps per variant.")] = 10,
-    warmup: Annotated[int, typer.Option(help="Steps run first and not measured (compilation, allocator).")] = 5,
-    out: Annotated[str, typer.Option(help="JSON file for the results; runs go beside it.")] = "bench/results.json",
+    warmup: Annotated[
+        int, typer.Option(help="Steps run first and not measured (compilation, allocator).")
+    ] = 5,
+    out: Annotated[
+        str, typer.Option(help="JSON file for the results; runs go beside it.")
+    ] = "bench/results.json",
 ) -> None:
     """Time short training runs of one or more variants side by side: tokens/s, MFU, step and optimizer time."""
     import json

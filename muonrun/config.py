@@ -26,7 +26,9 @@ DEFAULT_PRESET = "tiny"
 
 # `${stdlib:}` is the Python standard library's source folder: a text corpus on every machine.
 if not OmegaConf.has_resolver("stdlib"):
-    OmegaConf.register_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"], annotation_validation="off")
+    OmegaConf.register_resolver(
+        "stdlib", lambda: sysconfig.get_paths()["stdlib"], annotation_validation="off"
+    )
 
 
 @dataclass
@@ -309,7 +311,9 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     for base in bases:
         base_path = path.parent / (base if str(base).endswith(".yaml") else f"{base}.yaml")
         if not base_path.is_file():
-            raise UserError(f"Config file '{path}' lists '{base}' under `defaults:`, but '{base_path}' does not exist.")
+            raise UserError(
+                f"Config file '{path}' lists '{base}' under `defaults:`, but '{base_path}' does not exist."
+            )
         layers.append(_load_yaml(base_path, (*seen, path)))
     return OmegaConf.merge(*layers, node) if layers else node
 
@@ -334,7 +338,7 @@ def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig):
         return ""
-    close = difflib.get_close_matches(leaf, [str(k) for k in parent.keys()], n=3)
+    close = difflib.get_close_matches(leaf, [str(k) for k in parent], n=3)
     prefix = f"{parent_key}." if parent_key else ""
     return f" Did you mean {' or '.join(repr(prefix + c) for c in close)}?" if close else ""
 
@@ -346,18 +350,26 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
         key = e.full_key or str(e.key)
         raise UserError(f"Unknown config key '{key}' in {source}.{_did_you_mean(base, key)}") from None
     except ValidationError as e:
-        raise UserError(f"Config key '{e.full_key}' in {source} has the wrong type: {e.msg.splitlines()[0]}.") from None
+        raise UserError(
+            f"Config key '{e.full_key}' in {source} has the wrong type: {e.msg.splitlines()[0]}."
+        ) from None
     except OmegaConfBaseException as e:
-        raise UserError(f"Config {source} could not be merged at '{getattr(e, 'full_key', '?')}': {e.msg}.") from None
+        raise UserError(
+            f"Config {source} could not be merged at '{getattr(e, 'full_key', '?')}': {e.msg}."
+        ) from None
 
 
-def load_config(preset: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+def load_config(
+    preset: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> DictConfig:
     """Schema defaults < preset (with its `defaults:` bases) < `key=value` overrides, validated."""
     path = resolve_preset(preset or DEFAULT_PRESET)
     cfg = _merge(OmegaConf.structured(Config), _load_yaml(path), f"'{path}'")
     for key, value, add in _parse_overrides(list(overrides)):
         if not add and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
-            hint = _did_you_mean(cfg, key) or " Prefix it with '+' to add a key to an open section (model.hf)."
+            hint = (
+                _did_you_mean(cfg, key) or " Prefix it with '+' to add a key to an open section (model.hf)."
+            )
             raise UserError(f"Unknown config key '{key}' in override '{key}={value}'.{hint}")
         cfg = _merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]), f"override '{key}={value}'")
     validate(cfg)
@@ -421,7 +433,9 @@ def validate(cfg: DictConfig) -> None:
         if value < 0:
             raise UserError(f"Config key '{key}' is {value}; it must not be negative.")
     if c.launch.nproc_per_node is not None and c.launch.nproc_per_node < 1:
-        raise UserError(f"Config key 'launch.nproc_per_node' is {c.launch.nproc_per_node}; it must be at least 1.")
+        raise UserError(
+            f"Config key 'launch.nproc_per_node' is {c.launch.nproc_per_node}; it must be at least 1."
+        )
     if not 0 <= c.launch.node_rank < c.launch.nnodes:
         raise UserError(
             f"Config key 'launch.node_rank' is {c.launch.node_rank}; it must be in 0..{c.launch.nnodes - 1} "
@@ -430,9 +444,13 @@ def validate(cfg: DictConfig) -> None:
     if c.checkpoint.keep_last < 2:
         raise UserError(f"Config key 'checkpoint.keep_last' is {c.checkpoint.keep_last}; keep at least 2.")
     if c.checkpoint.export_at_end and not c.checkpoint.save_at_end:
-        raise UserError("Config key 'checkpoint.export_at_end' needs checkpoint.save_at_end=true (it exports that one).")
+        raise UserError(
+            "Config key 'checkpoint.export_at_end' needs checkpoint.save_at_end=true (it exports that one)."
+        )
     if not 0.0 <= c.schedule.min_lr_ratio <= 1.0:
-        raise UserError(f"Config key 'schedule.min_lr_ratio' is {c.schedule.min_lr_ratio}; it must be in [0, 1].")
+        raise UserError(
+            f"Config key 'schedule.min_lr_ratio' is {c.schedule.min_lr_ratio}; it must be in [0, 1]."
+        )
     if len(c.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in c.optimizer.betas):
         raise UserError(f"Config key 'optimizer.betas' is {c.optimizer.betas}; give two numbers in [0, 1).")
     if not c.data.sources:
@@ -465,7 +483,11 @@ def field_docs(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, str
     body = tree.body[0].body
     docs: dict[str, str] = {}
     for node, nxt in zip(body, [*body[1:], None], strict=True):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
             docs[node.target.id] = inspect.cleandoc(nxt.value.value)
     out: dict[str, tuple[str, str, str]] = {}
     for f in dataclasses.fields(cls):
@@ -476,8 +498,10 @@ def field_docs(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, str
                 out.update(field_docs(type(sub), f"{key}."))
                 continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, list | dict | ListConfig | DictConfig) and default and dataclasses.is_dataclass(
-            default[0] if isinstance(default, list) else None
+        if (
+            isinstance(default, list | dict | ListConfig | DictConfig)
+            and default
+            and dataclasses.is_dataclass(default[0] if isinstance(default, list) else None)
         ):
             default = "[...]"
         out[key] = (str(f.type), repr(default), docs.get(f.name, ""))

@@ -44,14 +44,20 @@ def init_distributed(c: Config) -> Dist:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world = (
+        int(os.environ["RANK"]),
+        int(os.environ["LOCAL_RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+    )
     device_type = pick_device_type(c)
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    backend = c.launch.backend if c.launch.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    backend = (
+        c.launch.backend if c.launch.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    )
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if device_type == "cuda" else None)
     replicate, shard = check_world_size(c, world)

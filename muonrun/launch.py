@@ -177,7 +177,9 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
         if failure.exitcode == NON_FINITE_EXIT:
             return NON_FINITE_EXIT  # NaN/inf: every rank stopped before the update; rank 0 printed the step
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        print(f"muonrun: worker rank {rank} failed (exit code {failure.exitcode}).\n{message}", file=sys.stderr)
+        print(
+            f"muonrun: worker rank {rank} failed (exit code {failure.exitcode}).\n{message}", file=sys.stderr
+        )
         return 1
     finally:
         for name, handler in previous.items():

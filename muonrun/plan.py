@@ -6,13 +6,16 @@ Needs no GPU and no data: `muonrun pretrain qwen2-muon-fsdp2 --dry-run --world-s
 from __future__ import annotations
 
 from omegaconf import DictConfig
+
 from muonrun.config import check_world_size, to_object
 from muonrun.errors import UserError
 
 GIB = 2**30
 
 
-def memory_per_rank(params: dict[str, int], muon_params: int, optimizer: str, dp_shard: int) -> dict[str, float]:
+def memory_per_rank(
+    params: dict[str, int], muon_params: int, optimizer: str, dp_shard: int
+) -> dict[str, float]:
     """GiB per rank for fp32 master weights, fp32 gradients and optimizer state, sharded over dp_shard.
     AdamW keeps two fp32 buffers per parameter; Muon one for its matrices (AdamW's two for the rest)."""
     total = params["total"]
@@ -37,7 +40,9 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     hf = build_hf_config(c.model)
     model = build_model(c.model, hf)
     params = count_params(model)
-    split = split_params(model, muon_patterns=c.optimizer.muon.muon_patterns, adamw_patterns=c.optimizer.muon.adamw_patterns)
+    split = split_params(
+        model, muon_patterns=c.optimizer.muon.muon_patterns, adamw_patterns=c.optimizer.muon.adamw_patterns
+    )
     muon_params = sum(p.numel() for _, p in split.muon)
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * world
     return {
@@ -60,9 +65,16 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
     rows = [
         ("model", s["model"]),
         ("parameters", f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)"),
-        ("optimizer", c.optimizer.name + (f" ({s['muon_parameters']:,} params in Muon)" if s["muon_parameters"] else "")),
+        (
+            "optimizer",
+            c.optimizer.name
+            + (f" ({s['muon_parameters']:,} params in Muon)" if s["muon_parameters"] else ""),
+        ),
         ("FLOPs/token (train)", f"{s['flops_per_token']:.3e}"),
-        ("world size", f"{s['world_size']} (mesh dp_replicate={s['mesh']['dp_replicate']} x dp_shard={s['mesh']['dp_shard']})"),
+        (
+            "world size",
+            f"{s['world_size']} (mesh dp_replicate={s['mesh']['dp_replicate']} x dp_shard={s['mesh']['dp_shard']})",
+        ),
         ("tokens/step", f"{s['tokens_per_step']:,}"),
         ("total tokens", f"{s['total_tokens']:,} over {c.train.max_steps:,} steps"),
         (

@@ -18,7 +18,14 @@ def test_help_lists_the_commands():
         assert command in result.output
     result = runner.invoke(app, ["pretrain", "--help"])
     assert result.exit_code == 0
-    for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "--dry-run"):
+    for flag in (
+        "--nproc-per-node",
+        "--nnodes",
+        "--node-rank",
+        "--rdzv-endpoint",
+        "--max-restarts",
+        "--dry-run",
+    ):
         assert flag in result.output
 
 
@@ -44,7 +51,10 @@ def test_config_docs_is_a_reference():
     [
         (["config", "show", "tiny", "train.max_stepz=3"], "Did you mean"),
         (["config", "show", "missing-preset"], "does not exist"),
-        (["pretrain", "tiny", "--dry-run", "parallel.dp_replicate=3", "--world-size", "4"], "does not fit a world of 4"),
+        (
+            ["pretrain", "tiny", "--dry-run", "parallel.dp_replicate=3", "--world-size", "4"],
+            "does not fit a world of 4",
+        ),
         (["pretrain", "tiny", "--dry-run", "model.hf.vocab_size=abc"], "'vocab_size'"),
     ],
 )
