@@ -85,12 +85,19 @@ def pretrain(
         int | None,
         typer.Option(help="Workers per node (default: every local GPU, else launch.nproc_per_node)."),
     ] = None,
-    nnodes: Annotated[int | None, typer.Option(help="Number of nodes.")] = None,
-    node_rank: Annotated[int | None, typer.Option(help="Rank of this node (0 .. nnodes-1).")] = None,
-    rdzv_endpoint: Annotated[
-        str | None, typer.Option(help="HOST:PORT of the rendezvous on the head node.")
+    nnodes: Annotated[int | None, typer.Option(help="Number of nodes (under srun: SLURM_NNODES).")] = None,
+    node_rank: Annotated[
+        int | None, typer.Option(help="Rank of this node, 0 .. nnodes-1 (under srun: SLURM_NODEID).")
     ] = None,
-    rdzv_id: Annotated[str | None, typer.Option(help="Job id shared by all nodes.")] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="HOST:PORT of the rendezvous on node 0 (under srun: first node, MUONRUN_RDZV_PORT)."
+        ),
+    ] = None,
+    rdzv_id: Annotated[
+        str | None, typer.Option(help="Job id shared by all nodes (under srun: SLURM_JOB_ID).")
+    ] = None,
     max_restarts: Annotated[int | None, typer.Option(help="Restart failed workers this many times.")] = None,
     dry_run: Annotated[
         bool,
@@ -104,6 +111,7 @@ def pretrain(
 ) -> None:
     """Train a model from a preset or YAML file, with optional KEY=VALUE overrides."""
     from muonrun.config import load_config
+    from muonrun.slurm import launch_defaults
 
     flags = _flag_overrides(
         nproc_per_node=nproc_per_node,
@@ -113,7 +121,12 @@ def pretrain(
         rdzv_id=rdzv_id,
         max_restarts=max_restarts,
     )
-    cfg = load_config(config, [*(overrides or []), *flags])
+    if world_size is not None and not dry_run:
+        raise UserError(
+            "--world-size only plans (with --dry-run); to train, use --nnodes and --nproc-per-node."
+        )
+    # Inside `srun`, SLURM's variables fill the launch.* keys that the config and the flags leave unset.
+    cfg = load_config(config, [*(overrides or []), *flags], environment=launch_defaults())
     if dry_run:
         from muonrun.plan import print_plan
 

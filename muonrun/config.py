@@ -147,9 +147,11 @@ class ScheduleConfig:
 @dataclass
 class ParallelConfig:
     dp_replicate: int = 1
-    """Replicas across the HSDP replicate axis (typically the number of nodes). 1: plain FSDP."""
+    """Replicas across the HSDP replicate axis (typically the number of nodes). 1: plain FSDP.
+    -1: one replica per node (= launch.nnodes), each sharded over its node's workers."""
     dp_shard: int = -1
-    """Ranks each parameter is sharded over. -1: world_size / dp_replicate."""
+    """Ranks each parameter is sharded over: consecutive ranks, so the workers per node shards within a
+    node and replicates across nodes. -1: world_size / dp_replicate."""
     reshard_after_forward: bool = True
     """Free the gathered parameters after forward (less memory, one more all-gather in backward)."""
     param_dtype: str = "auto"
@@ -360,11 +362,17 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
 
 
 def load_config(
-    preset: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()
+    preset: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    environment: dict[str, Any] | None = None,
 ) -> DictConfig:
-    """Schema defaults < preset (with its `defaults:` bases) < `key=value` overrides, validated."""
+    """Schema defaults < `environment` ({dotted key: value}, e.g. from SLURM) < preset (with its
+    `defaults:` bases) < `key=value` overrides, validated."""
     path = resolve_preset(preset or DEFAULT_PRESET)
-    cfg = _merge(OmegaConf.structured(Config), _load_yaml(path), f"'{path}'")
+    cfg = OmegaConf.structured(Config)
+    for key, value in (environment or {}).items():
+        OmegaConf.update(cfg, key, value)
+    cfg = _merge(cfg, _load_yaml(path), f"'{path}'")
     for key, value, add in _parse_overrides(list(overrides)):
         if not add and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
             hint = (
@@ -414,7 +422,6 @@ def validate(cfg: DictConfig) -> None:
         "data.seq_len": c.data.seq_len,
         "logging.log_interval": c.logging.log_interval,
         "launch.nnodes": c.launch.nnodes,
-        "parallel.dp_replicate": c.parallel.dp_replicate,
         "data.num_proc": c.data.num_proc,
     }
     for key, value in positive.items():
@@ -432,6 +439,14 @@ def validate(cfg: DictConfig) -> None:
     for key, value in nonneg.items():
         if value < 0:
             raise UserError(f"Config key '{key}' is {value}; it must not be negative.")
+    for key, value in (
+        ("parallel.dp_replicate", c.parallel.dp_replicate),
+        ("parallel.dp_shard", c.parallel.dp_shard),
+    ):
+        if value != -1 and value < 1:
+            raise UserError(
+                f"Config key '{key}' is {value}; it must be at least 1, or -1 (see `muonrun config docs`)."
+            )
     if c.launch.nproc_per_node is not None and c.launch.nproc_per_node < 1:
         raise UserError(
             f"Config key 'launch.nproc_per_node' is {c.launch.nproc_per_node}; it must be at least 1."
@@ -464,14 +479,16 @@ def validate(cfg: DictConfig) -> None:
         raise UserError("Config key 'model.init' is 'pretrained' but 'model.name_or_path' is not set.")
 
 
-def check_world_size(c: Config, world_size: int) -> tuple[int, int]:
-    """The (dp_replicate, dp_shard) mesh for this world size, or a UserError saying how to fix it."""
-    replicate = c.parallel.dp_replicate
+def check_world_size(c: Config, world_size: int, how: str = "nnodes x nproc_per_node") -> tuple[int, int]:
+    """The (dp_replicate, dp_shard) mesh for this world size, or a UserError saying how to fix it.
+    dp_replicate=-1 means launch.nnodes; dp_shard=-1 takes what is left."""
+    replicate = c.parallel.dp_replicate if c.parallel.dp_replicate != -1 else c.launch.nnodes
     shard = c.parallel.dp_shard if c.parallel.dp_shard != -1 else world_size // replicate
     if shard < 1 or replicate * shard != world_size:
+        shown = f"-1 (one per node: {replicate})" if c.parallel.dp_replicate == -1 else replicate
         raise UserError(
-            f"parallel.dp_replicate={replicate} x parallel.dp_shard={c.parallel.dp_shard} does not fit a world "
-            f"of {world_size} workers (nnodes x nproc_per_node). Make the product equal the world size, or set "
+            f"parallel.dp_replicate={shown} x parallel.dp_shard={c.parallel.dp_shard} does not fit a world "
+            f"of {world_size} workers ({how}). Make the product equal the world size, or set "
             "parallel.dp_shard=-1 with a dp_replicate that divides it."
         )
     return replicate, shard

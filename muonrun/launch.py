@@ -64,7 +64,17 @@ def make_plan(cfg: DictConfig) -> LaunchPlan:
             f"launch.nnodes is {plan.nnodes} but no rendezvous endpoint is set: pass --rdzv-endpoint HEAD_HOST:PORT "
             "(the same on every node), or run under SLURM's srun."
         )
-    check_world_size(c, plan.world_size)
+    # Before any worker starts: a mesh that cannot fit is the user's mistake (exit 2), not a crash.
+    _, shard = check_world_size(
+        c, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
+    )
+    if plan.nnodes > 1 and shard % plan.nproc_per_node and plan.nproc_per_node % shard:
+        print(
+            f"muonrun: WARNING: parallel.dp_shard={shard} with {plan.nproc_per_node} workers per node: shard "
+            "groups (consecutive ranks) straddle node boundaries unevenly; for HSDP shard within a node "
+            f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1).",
+            file=sys.stderr,
+        )
     if c.train.device == "cuda" or (c.train.device == "auto" and _has_cuda()):
         import torch
 
@@ -150,7 +160,10 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
         run_id=plan.rdzv_id,
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
-        # The head node hosts the c10d store; the others connect to it.
+        # Node 0 hosts the c10d store at the endpoint, the others connect to it. Explicit, because torch's
+        # guess (does the endpoint name this machine?) sees every "node" as the host when they share one.
+        # Global ranks are handed out by the rendezvous (a node's workers get consecutive ranks), not by
+        # node_rank, as with torchrun.
         rdzv_configs={"is_host": plan.node_rank == 0} if plan.nnodes > 1 else {},
         max_restarts=plan.max_restarts,
         start_method="spawn",
@@ -167,6 +180,8 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
     # The agent logs each worker failure with its own traceback; muonrun reports failures itself below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
+    if plan.nnodes > 1:
+        _announce_node(plan, endpoint)
     try:
         elastic_launch(lc, worker_entry)(config_yaml)
     except ChildFailedError as e:
@@ -185,6 +200,32 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
         for name, handler in previous.items():
             signal.signal(getattr(signal, name), handler)
     return 0
+
+
+def _announce_node(plan: LaunchPlan, endpoint: str) -> None:
+    """One line per node (a multi-node job's log shows every node joining), and a warning when node 0
+    is not the machine the endpoint names: it would host the store where nobody looks for it."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous.utils import (
+        _matches_machine_hostname,
+        parse_rendezvous_endpoint,
+    )
+
+    print(
+        f"muonrun: node {plan.node_rank} of {plan.nnodes} ({socket.gethostname()}): {plan.nproc_per_node} workers, "
+        f"rendezvous '{plan.rdzv_id}' at {endpoint}{' (hosted here)' if plan.node_rank == 0 else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
+    host, _ = parse_rendezvous_endpoint(endpoint, default_port=29500)
+    if plan.node_rank == 0 and not _matches_machine_hostname(host):
+        print(
+            f"muonrun: WARNING: this is node 0, which hosts the rendezvous, but the endpoint host '{host}' does "
+            "not look like this machine; the other nodes will look for it there. Point --rdzv-endpoint at node 0.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def worker_entry(config_yaml: str) -> None:

@@ -27,16 +27,46 @@ def memory_per_rank(
     }
 
 
+def activation_gib(hf, c, param_bytes: int) -> float:
+    """ROUGH activation memory per rank (GiB) at the peak of one micro-batch's backward, counting the
+    tensors autograd keeps per token and decoder layer with sdpa/flash attention (no seq x seq scores):
+    norm inputs/outputs, q/k/v before and after rotary, attention output, MLP gate/up/act/product, the
+    fp32 copies inside RMSNorm when computing in bf16; plus the fused LM head's stored gradients and one
+    chunk of logits. Activation checkpointing keeps only layer inputs (plus one layer being recomputed).
+    Kernels' workspaces, the allocator's fragmentation and FSDP's gathered parameters are not in it."""
+    tokens = c.train.micro_batch_size * c.data.seq_len
+    h, inter, layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, (getattr(hf, "num_key_value_heads", None) or heads) * head_dim
+    per_layer = param_bytes * (4 * h + 3 * q + 3 * kv + 4 * inter) + (16 * h if param_bytes == 2 else 0)
+    kept = {"none": layers, "full": 0, "selective": layers // 2}[c.parallel.activation_checkpointing]
+    layer_bytes = tokens * (
+        kept * per_layer + (layers - kept) * h * param_bytes + (per_layer if kept < layers else 0)
+    )
+    chunk = min(c.train.loss_chunk_tokens or tokens, tokens)
+    head_bytes = (
+        tokens * h * param_bytes
+        + hf.vocab_size * h * param_bytes
+        + chunk * hf.vocab_size * (param_bytes + 12)
+    )
+    return (layer_bytes + head_bytes) / GIB
+
+
 def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     from muonrun.launch import default_nproc
     from muonrun.model import build_hf_config, build_model, count_params, flops_per_token
     from muonrun.optim.groups import split_params
 
     c = to_object(cfg)
-    world = world_size or default_nproc(c) * c.launch.nnodes
+    nnodes = c.launch.nnodes
+    world = world_size or default_nproc(c) * nnodes
     if world < 1:
         raise UserError(f"--world-size is {world}; it must be at least 1.")
-    replicate, shard = check_world_size(c, world)
+    if world % nnodes:
+        raise UserError(f"--world-size {world} cannot be split evenly over --nnodes {nnodes}.")
+    how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
+    replicate, shard = check_world_size(c, world, how)
     hf = build_hf_config(c.model)
     model = build_model(c.model, hf)
     params = count_params(model)
@@ -51,10 +81,15 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
         "muon_parameters": muon_params if c.optimizer.name == "muon" else 0,
         "flops_per_token": flops_per_token(hf, c.data.seq_len),
         "world_size": world,
+        "nnodes": nnodes,
         "mesh": {"dp_replicate": replicate, "dp_shard": shard},
         "tokens_per_step": tokens_per_step,
         "total_tokens": tokens_per_step * c.train.max_steps,
         "memory_gib_per_rank": memory_per_rank(params, muon_params, c.optimizer.name, shard),
+        # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
+        "activation_gib_per_rank": activation_gib(
+            hf, c, 4 if c.parallel.param_dtype == "float32" or c.train.device == "cpu" else 2
+        ),
     }
 
 
@@ -73,7 +108,8 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ("FLOPs/token (train)", f"{s['flops_per_token']:.3e}"),
         (
             "world size",
-            f"{s['world_size']} (mesh dp_replicate={s['mesh']['dp_replicate']} x dp_shard={s['mesh']['dp_shard']})",
+            f"{s['world_size']} (mesh dp_replicate={s['mesh']['dp_replicate']} x dp_shard={s['mesh']['dp_shard']})"
+            + (f", {s['nnodes']} nodes x {s['world_size'] // s['nnodes']}" if s["nnodes"] > 1 else ""),
         ),
         ("tokens/step", f"{s['tokens_per_step']:,}"),
         ("total tokens", f"{s['total_tokens']:,} over {c.train.max_steps:,} steps"),
@@ -81,6 +117,11 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
             "memory/rank (no activations)",
             ", ".join(f"{k} {v:.2f} GiB" for k, v in s["memory_gib_per_rank"].items())
             + f" = {sum(s['memory_gib_per_rank'].values()):.2f} GiB",
+        ),
+        (
+            "activations/rank (rough)",
+            f"~{s['activation_gib_per_rank']:.2f} GiB per micro-batch of {c.train.micro_batch_size} x "
+            f"{c.data.seq_len} (activation checkpointing {c.parallel.activation_checkpointing})",
         ),
         ("output", c.output_dir),
     ]
