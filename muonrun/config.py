@@ -24,11 +24,21 @@ from muonrun.errors import UserError
 PRESET_DIR = Path(__file__).parent / "configs"
 DEFAULT_PRESET = "tiny"
 
-# `${stdlib:}` is the Python standard library's source folder: a text corpus on every machine.
-if not OmegaConf.has_resolver("stdlib"):
-    OmegaConf.register_resolver(
-        "stdlib", lambda: sysconfig.get_paths()["stdlib"], annotation_validation="off"
-    )
+
+def _package_dir(name: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package '{name}' is not installed")
+    return list(spec.submodule_search_locations)[0]
+
+
+# Text corpora that exist on any machine with muonrun installed, for offline presets:
+# `${stdlib:}` is the Python standard library's source folder, `${pkg:NAME}` an installed package's.
+for _name, _fn in (("stdlib", lambda: sysconfig.get_paths()["stdlib"]), ("pkg", _package_dir)):
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_resolver(_name, _fn, annotation_validation="off")
 
 
 @dataclass
