@@ -6,8 +6,8 @@
 
 It trains --steps steps (so the optimizer state exists), then times: a synchronous save (and its size
 on disk), an async save (time blocking the training loop, then until published), a load (resume) into
-the same model and optimizers, and (rank 0) an HF export in bfloat16. Data defaults to the Python
-standard library with the byte tokenizer so no network is needed (--hub-data keeps the preset's data).
+the same model and optimizers, and (rank 0) an HF export in bfloat16. The data are random tokens
+(byte tokenizer), so neither `datasets` nor the network is needed (--real-data keeps the preset's).
 Prints one JSON object on rank 0. Remove --out afterwards: a 0.5B AdamW checkpoint is about 6 GB.
 """
 
@@ -23,7 +23,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-OFFLINE_DATA = ["data.tokenizer=byte", "data.sources=[{path: '${stdlib:}/*.py'}]", "data.eval_sources=[]"]
+
+class SyntheticLoader:
+    """Random token batches with a tiny state: the benchmark measures checkpoints, not data (and needs
+    neither `datasets` nor the network)."""
+
+    def __init__(self, cfg, tok, dp_rank=0, dp_size=1, split="train", pin_memory=False):
+        self.shape = (cfg.train.micro_batch_size, cfg.data.seq_len + 1)
+        self.vocab, self.seed, self.rank, self.count = tok.vocab_size, cfg.train.seed, dp_rank, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1000003 + self.rank * 7919 + self.count)
+        self.count += 1
+        rows = torch.randint(0, self.vocab, self.shape, generator=gen)
+        return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+    def state_dict(self) -> dict:
+        return {"kind": "synthetic", "count": self.count}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.count = sd["count"]
 
 
 def sync(device: torch.device) -> None:
@@ -45,9 +67,11 @@ def main() -> None:
         "--out", default="/tmp/muonrun-ckbench", help="output_dir of the benchmark run (deleted first)"
     )
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--hub-data", action="store_true", help="keep the preset's data and tokenizer")
+    ap.add_argument(
+        "--real-data", action="store_true", help="the preset's data and tokenizer, not random tokens"
+    )
     ap.add_argument("--no-export", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
 
     from muonrun.checkpoint import export_hf
     from muonrun.config import load_config, to_object, to_yaml
@@ -57,7 +81,7 @@ def main() -> None:
 
     out = Path(args.out)
     overrides = [
-        *([] if args.hub_data else OFFLINE_DATA),
+        *([] if args.real_data else ["data.tokenizer=byte"]),
         f"output_dir={out}",
         f"train.max_steps={args.steps}",
         "train.eval_interval=0",
@@ -73,6 +97,10 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         (out / "config.yaml").write_text(to_yaml(cfg_node))  # what `muonrun export` reads
+    if not args.real_data:
+        import muonrun.trainer
+
+        muonrun.trainer.build_loader = SyntheticLoader
     trainer = Trainer(cfg)
     ck, dev, main_rank = trainer.checkpointer, trainer.dist.device, trainer.dist.is_main
     trainer.train()
