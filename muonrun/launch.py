@@ -180,6 +180,12 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
     # The agent logs each worker failure with its own traceback; muonrun reports failures itself below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
+    if plan.max_restarts:
+        # By default the agents share one worker store across restarts, still holding the dead workers'
+        # addresses: a restarted rank can read a stale one and fail to connect (pytorch/pytorch#135712;
+        # every time on several nodes, where only the failed node counts the restart). Unshared, rank 0
+        # of each attempt hosts a fresh store on a fresh port.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if plan.nnodes > 1:
         _announce_node(plan, endpoint)
     try:
