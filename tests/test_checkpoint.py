@@ -1,0 +1,357 @@
+"""Checkpoints end to end on CPU (gloo): exact resume, crash mid-save, preemption, NaN, resharding,
+pretrained init, init_from and the Hugging Face export. Faults are injected with MUONRUN_FAULT
+(muonrun/faults.py). Two reference runs (AdamW and Muon, module fixtures) serve several tests.
+
+Run: pytest tests/test_checkpoint.py -q     (the unit tests alone: -m "not slow")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from muonrun import faults
+from muonrun.checkpoint import (
+    META,
+    StopFlag,
+    complete_checkpoints,
+    load_model_tensors,
+    rank_state_file,
+    resolve_checkpoint,
+)
+from muonrun.cli import app
+from muonrun.errors import UserError
+
+runner = CliRunner()
+
+STEPS = 8  # 2N: every exact-resume comparison covers steps N+1..2N of an 8-step run
+SMALL = [
+    "data.seq_len=64",
+    "train.micro_batch_size=4",
+    "train.eval_interval=0",
+    "logging.log_interval=1",
+    "logging.console=plain",
+    f"train.max_steps={STEPS}",
+]
+
+
+def muonrun(*args: str, fault: str | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop(faults.ENV, None)
+    if fault:
+        env[faults.ENV] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "muonrun", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def pretrain(out: Path, *overrides: str, nproc: int = 2, fault: str | None = None, extra=()):
+    return muonrun(
+        "pretrain",
+        "tiny",
+        f"output_dir={out}",
+        *SMALL,
+        *overrides,
+        "--nproc-per-node",
+        str(nproc),
+        *extra,
+        fault=fault,
+    )
+
+
+def losses(run: Path) -> dict[int, list[float]]:
+    """Every logged loss by step (a resumed run appends to metrics.jsonl, so a step can repeat)."""
+    out: dict[int, list[float]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            out.setdefault(row["step"], []).append(row["loss"])
+    return out
+
+
+def steps_of(run: Path) -> list[int]:
+    return [int(p.name.split("-")[1]) for p in complete_checkpoints(run / "checkpoints")]
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout + result.stderr
+
+
+# -- unit tests (no process group) ----------------------------------------------------------------------
+
+
+def test_fault_specs():
+    assert faults.parse("nan@7") == faults.Fault("nan", 7)
+    assert faults.parse("kill@save:8:r1") == faults.Fault("kill", 8, at_save=True, rank=1)
+    assert faults.parse("term@6") == faults.Fault("term", 6)
+    assert faults.parse(None) is None
+    for bad in ("nan@save:3", "boom@1", "kill@x"):
+        with pytest.raises(ValueError, match="MUONRUN_FAULT"):
+            faults.parse(bad)
+
+
+def _fake_checkpoint(path: Path, world_size: int = 2, complete: bool = True) -> Path:
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"x")
+    if complete:
+        (path / META).write_text(json.dumps({"step": 1, "world_size": world_size}))
+    return path
+
+
+def test_only_published_checkpoints_count(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    _fake_checkpoint(root / "step-10")
+    _fake_checkpoint(root / "step-9")
+    _fake_checkpoint(root / "step-20.tmp")  # an interrupted save
+    _fake_checkpoint(root / "step-30", complete=False)  # no muonrun.json: never published
+    (root / "step-40").mkdir()
+    assert [p.name for p in complete_checkpoints(root)] == ["step-9", "step-10"]  # numeric order
+    assert resolve_checkpoint(tmp_path / "run").name == "step-10"
+    with pytest.raises(UserError, match="incomplete"):
+        resolve_checkpoint(root / "step-20.tmp")
+    with pytest.raises(UserError, match="not a muonrun checkpoint"):
+        resolve_checkpoint(tmp_path / "nowhere")
+
+
+def test_loader_state_follows_the_data_rule(tmp_path):
+    """Same world size: each rank its own file; a new one: rank 0's, which a map-style loader can use
+    (its cursor is global) and a streaming loader refuses with a clear message."""
+    from muonrun.config import Config, DataConfig, SourceConfig, TrainConfig
+    from muonrun.data import build_loader, build_tokenizer
+
+    ck = _fake_checkpoint(tmp_path / "step-5", world_size=2)
+    assert rank_state_file(ck, 1, 2).name == "rank1.pt"
+    assert rank_state_file(ck, 2, 3).name == "rank0.pt"
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    cfg = Config(
+        data=DataConfig(
+            sources=[SourceConfig(path=str(corpus), streaming=True)], seq_len=16, shuffle_buffer=8
+        ),
+        train=TrainConfig(micro_batch_size=2),
+    )
+    tok = build_tokenizer("byte")
+    old = build_loader(cfg, tok, dp_rank=0, dp_size=2)
+    next(old)
+    with pytest.raises(UserError, match="2 data-parallel ranks, this run has 3"):
+        build_loader(cfg, tok, dp_rank=2, dp_size=3).load_state_dict(old.state_dict())
+
+
+def test_stop_flag_only_records_the_signal():
+    flag = StopFlag()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.raised == signal.SIGUSR1
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+# -- end to end -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adamw_ref(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("adamw") / "run"
+    ok(pretrain(out, "checkpoint.interval=0"))
+    assert steps_of(out) == [STEPS]
+    return out
+
+
+@pytest.fixture(scope="module")
+def muon_ref(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("muon") / "run"
+    ok(pretrain(out, "optimizer.name=muon", "checkpoint.interval=0"))
+    return out
+
+
+def assert_same_losses(run: Path, ref: Path, first: int) -> None:
+    """Bitwise: every logged loss of `run` from step `first` on equals the uninterrupted run's."""
+    expect, got = losses(ref), losses(run)
+    assert sorted(s for s in got if s >= first) == list(range(first, STEPS + 1)), got
+    for step in range(first, STEPS + 1):
+        assert got[step] == [expect[step][0]] * len(got[step]), (step, got[step], expect[step])
+
+
+@pytest.mark.slow
+def test_crash_mid_save_then_preemption_then_exact_resume(adamw_ref, tmp_path):
+    out = tmp_path / "run"
+    ckpt = ["checkpoint.interval=2", "checkpoint.keep_last=2"]
+    # 1. Rank 1 is SIGKILLed in the middle of step 4's save: step-2 stays the latest complete checkpoint.
+    crashed = pretrain(out, *ckpt, fault="kill@save:4:r1")
+    assert crashed.returncode != 0
+    assert steps_of(out) == [2] and (out / "checkpoints" / "step-4.tmp").is_dir()
+    # 2. The next run deletes the partial save, resumes from step-2 and is preempted: the launcher gets
+    #    SIGTERM after step 5, forwards it, and the workers save at the step they agree on and exit 0.
+    text = ok(pretrain(out, *ckpt, fault="term@5"))
+    assert "resumed from" in text and "step-2 at step 2" in text
+    stopped = max(losses(out))
+    assert stopped >= 5 and f"Stopped by signal after step {stopped}" in text
+    assert steps_of(out) == [4, stopped]
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    # 3. A plain rerun (async saves, a stale init_from that must be ignored loudly) finishes the job.
+    text = ok(pretrain(out, *ckpt, "checkpoint.async_save=true", f"checkpoint.init_from={adamw_ref}"))
+    assert "init_from" in text and "IGNORED" in text
+    assert steps_of(out) == [6, 8]  # keep_last=2, the async step-6 published too
+    assert_same_losses(out, adamw_ref, first=3)
+
+
+@pytest.mark.slow
+def test_muon_worker_crash_restarts_from_the_checkpoint_exactly(muon_ref, tmp_path):
+    out = tmp_path / "run"
+    text = ok(
+        pretrain(
+            out, "optimizer.name=muon", "checkpoint.interval=4", fault="kill@6", extra=("--max-restarts", "1")
+        )
+    )
+    assert "step-4 at step 4" in text  # the restarted workers resumed (Muon momentum buffers included)
+    assert_same_losses(out, muon_ref, first=5)
+
+
+@pytest.mark.slow
+def test_resharded_resume_two_to_three_workers(muon_ref, tmp_path):
+    out = tmp_path / "run"
+    text = ok(
+        pretrain(
+            out, "optimizer.name=muon", f"checkpoint.resume_from={muon_ref}", "train.max_steps=10", nproc=3
+        )
+    )
+    assert "resharded" in text
+    got, ref = losses(out), losses(muon_ref)
+    assert sorted(got) == [9, 10]
+    for step in (9, 10):
+        loss = got[step][0]
+        assert math.isfinite(loss) and abs(loss - ref[STEPS][0]) < 0.5, (loss, ref)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens_seen"] for r in rows if "loss" in r][-1] == STEPS * 2 * 4 * 64 + 2 * 3 * 4 * 64
+
+
+@pytest.mark.slow
+def test_nan_stops_before_the_update_and_keeps_the_checkpoint(adamw_ref, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(adamw_ref, out)
+    before = tree(out / "checkpoints")
+    result = pretrain(out, "train.max_steps=12", fault="nan@10:r1")  # NaN on rank 1 only
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "not finite at step 10" in result.stderr and "before the optimizer step" in result.stderr
+    assert tree(out / "checkpoints") == before  # the last good checkpoint, untouched
+    assert max(losses(out)) == 9
+
+
+@pytest.mark.slow
+def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from muonrun.checkpoint import read_run_config
+    from muonrun.model import build_hf_config
+
+    step = adamw_ref / "checkpoints" / f"step-{STEPS}"
+    hf = tmp_path / "hf"
+    result = runner.invoke(app, ["export", str(step), str(hf)])  # in-process: no interpreter start-up
+    assert result.exit_code == 0, result.output
+    assert (hf / "config.json").is_file() and "byte-level tokenizer" in (hf / "README.md").read_text()
+    model, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    # The reference: DCP's own converter to a torch.save file, loaded into a model built from config.yaml.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(step, tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    ref = AutoModelForCausalLM.from_config(build_hf_config(read_run_config(step).model, 257))
+    missing, unexpected = ref.load_state_dict(
+        {k.removeprefix("lm."): v for k, v in full.items()}, strict=False
+    )
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding: saved once
+    ids = torch.randint(0, 257, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref.eval()(ids).logits, rtol=0, atol=0)
+    # Mistakes are one paragraph and exit code 2.
+    partial = adamw_ref / "checkpoints" / "step-99.tmp"
+    shutil.copytree(step, partial, ignore=shutil.ignore_patterns(META))
+    try:
+        for args, message in (
+            ((str(partial), str(tmp_path / "x")), "incomplete"),
+            ((str(tmp_path / "nowhere"), str(tmp_path / "y")), "not a muonrun checkpoint"),
+            ((str(step), str(hf)), "not empty"),
+        ):
+            result = runner.invoke(app, ["export", *args])
+            assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+            assert "Traceback" not in result.output
+    finally:
+        shutil.rmtree(partial)
+
+
+def _tiny_hf_model(folder: Path):
+    """A randomly initialised transformers model with the tiny preset's architecture, saved as HF does."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from muonrun.config import load_config, to_object
+
+    torch.manual_seed(1)
+    hf_kwargs = dict(to_object(load_config("tiny")).model.hf)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_kwargs))
+    model.save_pretrained(folder)
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_pretrained_init_is_loaded_into_the_shards(tmp_path):
+    """model.init=pretrained on 2 workers (each reads its rows of the safetensors), one step with lr=0,
+    export_at_end: the exported weights are the pretrained ones, bit for bit."""
+    from safetensors.torch import load_file
+
+    original = _tiny_hf_model(tmp_path / "pretrained")
+    out = tmp_path / "run"
+    text = ok(
+        pretrain(
+            out,
+            "model.init=pretrained",
+            f"model.name_or_path={tmp_path / 'pretrained'}",
+            "optimizer.lr=0",
+            "train.max_steps=1",
+            "checkpoint.export_at_end=true",
+        )
+    )
+    assert "model.init=pretrained" in text
+    exported = load_file(out / "hf" / "model.safetensors")
+    assert exported.keys() == {k for k in original if k != "lm_head.weight"}  # tied: saved once
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, original[name]), name
+
+
+@pytest.mark.slow
+def test_init_from_takes_weights_only(adamw_ref, tmp_path):
+    out = tmp_path / "run"
+    step = adamw_ref / "checkpoints" / f"step-{STEPS}"
+    text = ok(
+        pretrain(
+            out,
+            f"checkpoint.init_from={step}",
+            "optimizer.lr=0",
+            "train.max_steps=1",
+            "checkpoint.export_at_end=true",
+            nproc=1,
+        )
+    )
+    assert "checkpoint.init_from" in text and sorted(losses(out)) == [1]  # step 1: a fresh optimizer and data
+    from safetensors.torch import load_file
+
+    exported = load_file(out / "hf" / "model.safetensors")
+    trained = load_model_tensors(step)
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, trained[name]), name
