@@ -248,15 +248,21 @@ class LaunchConfig:
     nproc_per_node: int | None = None
     """Workers per node. None: every local GPU, or 1 on a machine without GPUs."""
     nnodes: int = 1
-    """Nodes in the job."""
+    """Nodes in the job. Under srun: SLURM's node count (docs/clusters.md)."""
     node_rank: int = 0
-    """This node's rank (0 .. nnodes-1)."""
+    """This node's rank (0 .. nnodes-1); node 0 hosts the rendezvous. Under srun: SLURM_NODEID. Global
+    worker ranks are assigned by the rendezvous (consecutive per node), not by node_rank."""
     rdzv_endpoint: str | None = None
-    """HOST:PORT of the rendezvous (the head node) for multi-node jobs. None on one node: a free local port."""
+    """HOST:PORT of the rendezvous on node 0 for multi-node jobs (every node passes the same). None on one
+    node: a free local port. Under srun: the job step's first node and MUONRUN_RDZV_PORT (default 29500)."""
     rdzv_id: str = "muonrun"
-    """Job id shared by every node of one job."""
+    """Job id shared by every node of one job. Under srun: SLURM_JOB_ID."""
+    local_addr: str | None = None
+    """Address other nodes use to reach this one (node 0's becomes the workers' MASTER_ADDR). None: this
+    machine's fully qualified host name; set it when that resolves to a loopback or wrong interface."""
     max_restarts: int = 0
-    """Restart the workers this many times after a failure (they resume from the latest checkpoint)."""
+    """Restart the workers this many times after a failure (they resume from the latest checkpoint). On
+    several nodes every node restarts its workers together; a node's launcher must stay alive."""
     backend: str = "auto"
     """Process-group backend: `auto` (nccl on GPU, gloo on CPU), `nccl` or `gloo`."""
 

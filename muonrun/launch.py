@@ -30,6 +30,7 @@ class LaunchPlan:
     rdzv_endpoint: str | None
     rdzv_id: str
     max_restarts: int
+    local_addr: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -58,6 +59,7 @@ def make_plan(cfg: DictConfig) -> LaunchPlan:
         rdzv_endpoint=c.launch.rdzv_endpoint,
         rdzv_id=c.launch.rdzv_id,
         max_restarts=c.launch.max_restarts,
+        local_addr=c.launch.local_addr,
     )
     if plan.nnodes > 1 and not plan.rdzv_endpoint:
         raise UserError(
@@ -166,6 +168,7 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
         # node_rank, as with torchrun.
         rdzv_configs={"is_host": plan.node_rank == 0} if plan.nnodes > 1 else {},
         max_restarts=plan.max_restarts,
+        local_addr=plan.local_addr,
         start_method="spawn",
         monitor_interval=0.5,
     )

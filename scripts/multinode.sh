@@ -17,6 +17,7 @@ PORT=${PORT:-29500}                   # ADAPT: a free TCP port on the head node,
 RDZV_ID=${RDZV_ID:-muonrun}           # ADAPT: a name shared by the nodes of ONE job (change it per job)
 NPROC_PER_NODE=${NPROC_PER_NODE:-}    # ADAPT: workers per node; empty = every GPU of the node
 MAX_RESTARTS=${MAX_RESTARTS:-}        # ADAPT: restart the workers this many times after a failure (empty: the config's)
+LOCAL_ADDR=${LOCAL_ADDR:-}            # ADAPT: this node's address as the others reach it (empty: its host name)
 MUONRUN=${MUONRUN:-muonrun}           # ADAPT if muonrun is not on PATH
 
 CONFIG=${1:?usage: NODE_RANK=.. HEAD=.. scripts/multinode.sh CONFIG [key=value ...]}
@@ -28,6 +29,6 @@ shift
 # export NCCL_IB_HCA=mlx5_0           # InfiniBand adapters
 # export NCCL_DEBUG=WARN
 
-exec "$MUONRUN" pretrain "$CONFIG" "$@" \
+exec "$MUONRUN" pretrain "$CONFIG" "$@" ${LOCAL_ADDR:+"launch.local_addr=$LOCAL_ADDR"} \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-endpoint "$HEAD:$PORT" --rdzv-id "$RDZV_ID" \
     ${MAX_RESTARTS:+--max-restarts "$MAX_RESTARTS"} ${NPROC_PER_NODE:+--nproc-per-node "$NPROC_PER_NODE"}
