@@ -5,9 +5,9 @@
 # Knobs (environment): ADAMW_LRS, MUON_LRS, STEPS (train.max_steps), GPUS (how many run at once).
 set -euo pipefail
 out=${1:?usage: study.sh OUT_DIR}
-adamw_lrs=${ADAMW_LRS:-1e-3 2e-3 4e-3}
-muon_lrs=${MUON_LRS:-0.01 0.02 0.04}
-steps=${STEPS:-1500}
+adamw_lrs=${ADAMW_LRS:-5e-4 1e-3 2e-3 4e-3}
+muon_lrs=${MUON_LRS:-0.005 0.01 0.02 0.04}
+steps=${STEPS:-1000}
 gpus=${GPUS:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 mkdir -p "$out"
 
