@@ -128,11 +128,10 @@ class CausalLMWithLoss(nn.Module):
     (muonrun/loss.py), so the full [tokens x vocab] fp32 logits never exist (151,936-way vocab for
     Qwen2). `loss_chunk_tokens=0` computes all logits at once."""
 
-    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 4096, compile_loss: bool = False):
+    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 4096):
         super().__init__()
         self.lm = lm
         self.loss_chunk_tokens = loss_chunk_tokens
-        self.compile_loss = compile_loss
         head = lm.get_output_embeddings()
         assert isinstance(head, nn.Linear) and head.bias is None, (
             "the fused loss expects a bias-free Linear LM head"

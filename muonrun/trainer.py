@@ -63,9 +63,7 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.hf_config = build_hf_config(cfg.model, self.tokenizer.vocab_size)
-        self.model = CausalLMWithLoss(
-            build_model(cfg.model, self.hf_config), cfg.train.loss_chunk_tokens, compile_loss=cfg.parallel.compile
-        )
+        self.model = CausalLMWithLoss(build_model(cfg.model, self.hf_config), cfg.train.loss_chunk_tokens)
         parallelize(self.model, self.dist.mesh, cfg.parallel, device_type)
         self.model.to_empty(device=self.dist.device)
         init_weights(self.model, self.hf_config.initializer_range, cfg.train.seed, self.dist.device)
