@@ -78,7 +78,7 @@ def test_two_nodes_hsdp_muon_train_one_run(tmp_path):
     port = free_port()
     cmd = [
         sys.executable, "-m", "muonrun", "pretrain", "tiny", f"output_dir={run}", *FAST,
-        "optimizer.name=muon", "parallel.dp_replicate=-1", "train.max_steps=10", "logging.log_interval=2",
+        "optimizer.name=muon", "parallel.dp_replicate=-1", "train.max_steps=8", "logging.log_interval=2",
         "checkpoint.interval=0", "--nnodes", "2", "--nproc-per-node", "2",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hsdp-test",
     ]  # fmt: skip
@@ -90,12 +90,12 @@ def test_two_nodes_hsdp_muon_train_one_run(tmp_path):
     assert start_row["world_size"] == 4 and start_row["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
     steps = losses(run)
     # One run: each step logged once, by global rank 0 only (4 ranks, 2 launchers, one metrics.jsonl).
-    assert [s for s, _ in steps] == [2, 4, 6, 8, 10]
+    assert [s for s, _ in steps] == [2, 4, 6, 8]
     assert steps[-1][1] < steps[0][1] - 1.0, steps
-    assert rows(run)[-1]["tokens_seen"] == 10 * 4 * 4 * 128  # steps x ranks x micro-batch x seq_len
-    assert (run / "checkpoints" / "step-10" / ".metadata").is_file()
+    assert rows(run)[-1]["tokens_seen"] == 8 * 4 * 4 * 128  # steps x ranks x micro-batch x seq_len
+    assert (run / "checkpoints" / "step-8" / ".metadata").is_file()
     assert "node 0 of 2" in node0 and "(hosted here)" in node0 and "node 1 of 2" in node1
-    assert [("step     10/10" in t) for t in (node0, node1)].count(True) == 1  # only rank 0 prints
+    assert [("step      8/8" in t) for t in (node0, node1)].count(True) == 1  # only rank 0 prints
 
 
 @pytest.mark.skipif(MUONRUN_BIN is None, reason="the muonrun console script is not installed")
@@ -178,7 +178,7 @@ def test_sbatch_script_preempted_requeued_and_resumed(tmp_path):
     )
     cmd = [
         "bash", str(REPO / "scripts" / "slurm" / "pretrain.sbatch"), "tiny", f"output_dir={run}", *FAST,
-        "train.max_steps=20", "logging.log_interval=1", "checkpoint.interval=0", "--nproc-per-node", "1",
+        "train.max_steps=14", "logging.log_interval=1", "checkpoint.interval=0", "--nproc-per-node", "1",
     ]  # fmt: skip
 
     # First allocation: SLURM's SIGUSR1 (--signal=B:USR1@...) reaches the batch shell mid-run.
@@ -187,7 +187,7 @@ def test_sbatch_script_preempted_requeued_and_resumed(tmp_path):
     job.send_signal(signal.SIGUSR1)
     (first,) = finish([job], [tmp_path / "job.log"])
     saved = sorted(int(p.name.removeprefix("step-")) for p in (run / "checkpoints").iterdir())
-    assert len(saved) == 1 and 3 <= saved[0] < 20, (saved, first[-3000:])
+    assert len(saved) == 1 and 3 <= saved[0] < 14, (saved, first[-3000:])
     assert "Stopped by signal" in first and "requeueing job 777" in first
     calls = slurm_log.read_text()
     assert "srun --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1" in calls
@@ -200,6 +200,6 @@ def test_sbatch_script_preempted_requeued_and_resumed(tmp_path):
     assert f"resumed from {run / 'checkpoints' / f'step-{saved[0]}'}" in second
     assert "requeueing" not in second
     steps = losses(run)
-    assert steps[-1][0] == 20 and steps[-1][1] < steps[0][1] - 1.0, steps
+    assert steps[-1][0] == 14 and steps[-1][1] < steps[0][1] - 1.0, steps
     start_rows = [r for r in rows(run) if r.get("event") == "start"]
     assert [r["step"] for r in start_rows] == [0, saved[0]] and start_rows[0]["world_size"] == 2
