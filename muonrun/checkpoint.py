@@ -199,18 +199,22 @@ class Checkpointer:
         interval = self.cfg.checkpoint.interval
         return bool(interval) and step % interval == 0
 
-    def stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM/SIGUSR1. Collective: every rank calls it after every step. The
-        same tiny all-reduce also tells whether every rank's async write has finished, so the pending
-        checkpoint is published as soon as it can be (at the same step on every rank)."""
+    def local_flags(self) -> list[float]:
+        """[this rank got SIGTERM/SIGUSR1, this rank's async write is still running]. The trainer
+        reduces them (MAX) over all ranks in the one per-step collective it already makes for the
+        non-finite check, then hands the agreed values to `agree`."""
         writing = self._pending is not None and not self._pending[-1].done()
-        flags = torch.tensor([float(self.flag.raised is not None), float(writing)], device=self.dist.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, writing = flags.tolist()
+        return [float(self.flag.raised is not None), float(writing)]
+
+    def agree(self, stop: float, writing: float) -> None:
+        """Act on the flags agreed by every rank: publish a finished async save (at the same step on
+        every rank) and remember whether to stop."""
         if self._pending is not None and not writing:
             self._finish_pending()
         self._stopping = stop > 0
+
+    def stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM/SIGUSR1 (as agreed in the last step's collective)."""
         return self._stopping
 
     def has(self, step: int) -> bool:

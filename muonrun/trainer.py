@@ -121,15 +121,20 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        # Agreed across ranks (the loss is per rank), so every rank stops together, before the update.
-        bad = torch.stack([~torch.isfinite(loss_sum), ~torch.isfinite(grad_norm)]).float()
-        if all_reduce_max(bad).any():
+        # One collective per step, agreed by every rank: non-finite loss/grad (the loss is per rank)
+        # so all stop together before the update, plus the checkpointer's stop/async-write flags.
+        local = [~torch.isfinite(loss_sum), ~torch.isfinite(grad_norm)]
+        flags = torch.stack(
+            [f.float() for f in local] + [loss_sum.new_tensor(v) for v in self.checkpointer.local_flags()]
+        )
+        loss_bad, norm_bad, stop, writing = all_reduce_max(flags).tolist()
+        if loss_bad or norm_bad:
             raise NonFiniteError(
                 f"Loss or gradient norm is not finite at step {self.state.step + 1} (grad norm {grad_norm.item()}, "
-                f"loss {loss_sum.item():.4f} on "
-                f"rank {self.dist.rank}); stopped before the optimizer step. The last checkpoint is intact: lower "
-                "the learning rate or raise warmup, then resume."
+                f"loss {loss_sum.item():.4f} on rank {self.dist.rank}); stopped before the optimizer step. "
+                "The last checkpoint is intact: lower the learning rate or raise warmup, then resume."
             )
+        self.checkpointer.agree(stop, writing)
         timer = OptimizerTimer(self.dist.device) if self.cfg.logging.time_optimizer else None
         for opt in self.optimizers:
             opt.step()
