@@ -70,7 +70,14 @@ class Trainer:
         self.optimizers = build_optimizers(self.model, cfg.optimizer, device_type)
 
         # Every rank is a data-parallel rank: HSDP replicas and FSDP shards all read different data.
-        self.loader = build_loader(cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size)
+        # Pinned host batches let the copy to the GPU (non_blocking) overlap with compute.
+        self.loader = build_loader(
+            cfg,
+            self.tokenizer,
+            dp_rank=self.dist.rank,
+            dp_size=self.dist.world_size,
+            pin_memory=self.dist.device.type == "cuda",
+        )
         self.eval_loader = (
             build_loader(
                 cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size, split="eval"
