@@ -80,12 +80,12 @@ def test_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
 
 
 @pytest.mark.parametrize("adjust_lr_fn,nesterov", [(None, True), ("match_rms_adamw", False)])
-def test_default_folded_ns_close_to_torch(adjust_lr_fn, nesterov):
-    """The default (B + aI) X evaluation differs from torch's a X + B X only by bf16 rounding."""
+def test_folded_ns_close_to_torch(adjust_lr_fn, nesterov):
+    """The opt-in (B + aI) X evaluation differs from torch's a X + B X only by bf16 rounding."""
     init = make_params(2)
     ours, ref = [p.clone() for p in init], [p.clone() for p in init]
     kw = dict(lr=LR, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    opt, ref_opt = Muon(ours, **kw), TorchMuon(ref, **kw)
+    opt, ref_opt = Muon(ours, **kw, torch_compatible_ns=False), TorchMuon(ref, **kw)
     for step in range(10):
         set_grads([ours, ref], step)
         opt.step()
@@ -124,6 +124,7 @@ def test_defaults_match_torch():
         "adjust_lr_fn",
     ):
         assert ours[name].default == theirs[name].default, name
+    assert ours["torch_compatible_ns"].default is True  # torch's exact bf16 sequence unless opted out
 
 
 def spectral_reference(init, steps, lr, weight_decay, momentum, nesterov):

@@ -100,10 +100,10 @@ def distribute_local(full: torch.Tensor, like: DTensor) -> DTensor:
 
 
 def reference_optimizer(params, fast: bool, **kw):
-    """Unsharded reference: torch.optim.Muon, or our Muon on plain tensors for the default (folded)
+    """Unsharded reference: torch.optim.Muon, or our Muon on plain tensors for the folded (fast)
     Newton–Schulz and for "spectral" (both checked against torch / a hand formula in test_muon.py)."""
     if fast:
-        return Muon(params, **kw)
+        return Muon(params, **kw, torch_compatible_ns=False)
     if kw.get("adjust_lr_fn") == "spectral":
         return Muon(params, **kw, torch_compatible_ns=True)
     return torch.optim.Muon(params, **kw)
@@ -141,7 +141,7 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         fully_shard(model, mesh=mesh)
         params = list(model.parameters())
         kw = dict(lr=LR, weight_decay=wd, nesterov=nesterov, adjust_lr_fn=fn)
-        fast = nesterov != (wd > 0)  # half the combos with the default folded Newton–Schulz
+        fast = nesterov != (wd > 0)  # half the combos with the opt-in folded Newton–Schulz
         # mostly one big bucket, sometimes many tiny ones (exercises the async prefetch pipeline)
         bucket = 200 if ci % 4 == 1 else 1 << 26
         opt = Muon(params, **kw, bucket_numel=bucket, prefetch=1 + ci % 3, torch_compatible_ns=not fast)
