@@ -38,7 +38,9 @@ def apply_compile(layers: list[nn.Module]) -> None:
         layer.compile()
 
 
-def apply_fsdp(model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, p: ParallelConfig, device_type: str):
+def apply_fsdp(
+    model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, p: ParallelConfig, device_type: str
+):
     param_dtype = DTYPES.get(p.param_dtype) or (torch.bfloat16 if device_type == "cuda" else torch.float32)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[p.reduce_dtype])
     for i, layer in enumerate(layers):
