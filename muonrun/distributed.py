@@ -42,6 +42,10 @@ def init_distributed(c: Config) -> Dist:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # Large, differently sized temporaries (loss chunks, Muon's buckets, FSDP2's gather buffers)
+    # fragment the default CUDA caching allocator; expandable segments avoid the cudaMalloc retries
+    # (torchtitan's default too). Read at the first CUDA allocation, so it must be set before it.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
     rank, local_rank, world = (
