@@ -56,6 +56,10 @@ def test_config_docs_is_a_reference():
             "does not fit a world of 4",
         ),
         (["pretrain", "tiny", "--dry-run", "model.hf.vocab_size=abc"], "'vocab_size'"),
+        (
+            ["pretrain", "tiny", "--dry-run", "model.name_or_path=no-such-org/no-such-model"],
+            "could not be loaded",
+        ),
     ],
 )
 def test_user_errors_exit_2_without_traceback(args, message):
