@@ -60,8 +60,9 @@ def main() -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02) if p.ndim == 2 else p.fill_(1.0)
+        head_dim = config.hidden_size // config.num_attention_heads
         model.model.rotary_emb.inv_freq.copy_(
-            1.0 / (1e6 ** (torch.arange(0, 64, 2, device="cuda", dtype=torch.float) / 64))
+            1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device="cuda", dtype=torch.float) / head_dim))
         )
     if args.optimizer == "adamw":
         optimizers = [torch.optim.AdamW(model.parameters(), lr=2e-4, fused=True)]
