@@ -417,7 +417,6 @@ def to_yaml(cfg: DictConfig) -> str:
 def validate(cfg: DictConfig) -> None:
     """Checks that need more than a type: choices, ranges and combinations. Raises UserError."""
     try:
-        OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
         c = to_object(cfg)
     except OmegaConfBaseException as e:
         raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None

@@ -5,6 +5,7 @@ Run one worker in-process with:  muonrun pretrain tiny --nproc-per-node 1 train.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -158,7 +159,7 @@ class Trainer:
         ]
         self.model.train()
         loss = all_reduce_mean(torch.stack(losses).mean()).item()
-        return {"eval_loss": loss, "eval_ppl": float(torch.tensor(loss).exp())}
+        return {"eval_loss": loss, "eval_ppl": math.exp(loss)}
 
     def train(self) -> None:
         cfg = self.cfg
