@@ -173,6 +173,9 @@ class ParallelConfig:
     """`none`, `full` (recompute every decoder layer) or `selective` (every other layer)."""
     compile: bool = False
     """torch.compile each decoder layer."""
+    compile_loss: bool = False
+    """torch.compile each loss chunk's softmax gradient into one pass over the bf16 logits (GPU; the
+    eager path makes about six fp32 passes over every [chunk x vocab] block)."""
 
 
 @dataclass
@@ -240,7 +243,8 @@ class LoggingConfig:
     """Synchronize the device around the optimizer step to log `optimizer_step_time` (benchmarks;
     costs a little speed)."""
     profile: bool = False
-    """Profile steps 6-8 on rank 0 with torch.profiler; writes OUTPUT_DIR/profile/ops.txt."""
+    """Profile steps 6-8 on rank 0 with torch.profiler; writes OUTPUT_DIR/profile/ops.txt,
+    trace.json.gz and timeline.txt (GPU busy/idle/communication per step and per phase)."""
 
 
 @dataclass

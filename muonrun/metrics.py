@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -266,6 +267,7 @@ class Metrics:
             self.view = make_view("plain", prefix=f"[rank {d.rank}] ")
         self._start_step = 0
         self._t0 = time.perf_counter()
+        self._pending: tuple | None = None
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -273,7 +275,7 @@ class Metrics:
         self._window_steps = 0
         self._window_wait = 0.0
         self._window_paused = 0.0
-        self._window_optimizer = 0.0
+        self._window_optimizer: list[Callable[[], float]] = []
         self._loss_sum: torch.Tensor | None = None
 
     def run_info(self, state) -> dict:
@@ -388,56 +390,86 @@ class Metrics:
         data_wait,
         optimizers,
         log: bool,
-        optimizer_step_time: float | None = None,
+        optimizer_time: Callable[[], float] | None = None,
     ) -> None:
-        """Accumulate one step; on logged steps reduce across ranks (the one host sync) and write a row.
-        `loss` and `grad_norm` are device tensors; `optimizer_step_time` is set only when it was timed."""
+        """Accumulate one step; on logged steps queue the cross-rank reductions and write the row at the
+        next call (one step late), so that logging never makes the host wait for the GPU.
+        `loss` and `grad_norm` are device tensors; `optimizer_time` (only when timed) returns the
+        optimizer step's seconds once its events completed."""
+        self._flush()
         self._window_steps += 1
         self._window_wait += data_wait
-        self._window_optimizer += optimizer_step_time or 0.0
+        if optimizer_time is not None:
+            self._window_optimizer.append(optimizer_time)
         self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
         if self.view is not None:
             self.view.advance(state.step)
         if not log:
             self._last_record = time.perf_counter()
             return
-        local = torch.stack([self._loss_sum / self._window_steps, grad_norm.detach().float().to(loss.device)])
-        loss_avg, grad_norm_v = all_reduce_mean(local).tolist()  # waits for this step to finish
         now = time.perf_counter()
-        worst = torch.tensor([self._window_wait, peak_memory_gib(self.dist.device)], device=loss.device)
-        wait, peak_mem = all_reduce_max(worst).tolist()
+        device = loss.device
+        mean = all_reduce_mean(
+            torch.stack([self._loss_sum / self._window_steps, grad_norm.detach().float().to(device)])
+        )
+        worst = all_reduce_max(
+            torch.tensor([self._window_wait, peak_memory_gib(self.dist.device)], device=device)
+        )
+        reduced = torch.cat([mean, worst])
+        if device.type == "cuda":
+            host = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
+            host.copy_(reduced, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = reduced, None
         steps = self._window_steps
         step_time = (now - self._window_start - self._window_paused) / steps
         tps = self.tokens_per_step_per_rank / step_time
         row = {
             "step": state.step,
-            "loss": loss_avg,
+            "loss": None,
             "lr": optimizers[0].param_groups[0]["lr"],
             "lr_multiplier": lr_mult,
-            "grad_norm": grad_norm_v,
+            "grad_norm": None,
             "tokens_seen": state.tokens_seen,
             "tokens_per_s": tps * self.dist.world_size,
             "tokens_per_s_per_device": tps,
             "mfu": tps * self.flops_per_token / (self.peak * 1e12) if self.peak else None,
             "step_time": step_time,
-            "data_wait_time": wait / steps,
-            "peak_mem_gib": peak_mem,
+            "data_wait_time": None,
+            "peak_mem_gib": None,
             "time": time.time(),
             "elapsed_s": now - self._t0,
         }
         if len(optimizers) > 1:  # e.g. Muon + AdamW: each one's learning rate
             row.update({f"lr_{type(o).__name__.lower()}": o.param_groups[0]["lr"] for o in optimizers})
-        if optimizer_step_time is not None:
-            row["optimizer_step_time"] = self._window_optimizer / steps
+        timings = self._window_optimizer
+        eta = None
+        if done_steps := state.step - self._start_step:
+            eta = (self.cfg.train.max_steps - state.step) * (now - self._t0) / done_steps
+        self._pending = (row, host, done, timings, steps, eta)
+        self._reset_window()
+
+    def _flush(self) -> None:
+        """Write the row queued by the last logged step (its reductions finished long ago)."""
+        if self._pending is None:
+            return
+        row, host, done, timings, steps, eta = self._pending
+        self._pending = None
+        if done is not None:
+            done.synchronize()
+        loss, grad_norm, wait, peak_mem = host.tolist()
+        row.update(loss=loss, grad_norm=grad_norm, data_wait_time=wait / steps, peak_mem_gib=peak_mem)
+        if timings:
+            row["optimizer_step_time"] = sum(t() for t in timings) / len(timings)
         self._write(row)
         if self.view is not None:
-            done = state.step - self._start_step
-            eta = (self.cfg.train.max_steps - state.step) * (now - self._t0) / done if done else None
             self.view.step(row, self.cfg.train.max_steps, eta)
-        self._reset_window()
 
     def log_eval(self, state, values: dict[str, float]) -> None:
         """An eval row. The evaluation ran since the last `record`; its time is kept out of step_time."""
+        self._flush()
         eval_time = time.perf_counter() - self._last_record
         self._window_paused += eval_time
         row = {
@@ -452,6 +484,7 @@ class Metrics:
             self.view.eval(row)
 
     def note(self, msg: str) -> None:
+        self._flush()
         if self.view is not None:
             self.view.note(msg)
 
@@ -460,6 +493,7 @@ class Metrics:
             sink.write(row)
 
     def close(self) -> None:
+        self._flush()
         if self.view is not None:
             self.view.close()
             self.view = None

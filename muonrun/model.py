@@ -128,20 +128,24 @@ class CausalLMWithLoss(nn.Module):
     (muonrun/loss.py), so the full [tokens x vocab] fp32 logits never exist (151,936-way vocab for
     Qwen2). `loss_chunk_tokens=0` computes all logits at once."""
 
-    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 4096):
+    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 4096, compile_loss: bool = False):
         super().__init__()
         self.lm = lm
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.compile_loss = compile_loss
         head = lm.get_output_embeddings()
         assert isinstance(head, nn.Linear) and head.bias is None, (
             "the fused loss expects a bias-free Linear LM head"
         )
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        hidden = self.lm.base_model(input_ids=input_ids).last_hidden_state
+        # use_cache=False: training needs no KV cache, and a cache object in the call makes every
+        # compiled decoder layer guard on its own cache slot, so each layer recompiles and all past
+        # torch._dynamo's recompile limit (8) silently run eager.
+        hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
         weight = self.lm.get_output_embeddings().weight
         total = linear_cross_entropy_sum(
-            hidden.flatten(0, 1), weight, labels.flatten(), self.loss_chunk_tokens
+            hidden.flatten(0, 1), weight, labels.flatten(), self.loss_chunk_tokens, self.compile_loss
         )
         return total / labels.numel()
 

@@ -32,10 +32,11 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> None:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
-def apply_compile(layers: list[nn.Module]) -> None:
-    """Compile each decoder layer separately: identical layers share one compiled graph."""
+def apply_compile(layers: list[nn.Module], backend: str = "inductor") -> None:
+    """Compile each decoder layer separately: identical layers share one compiled graph
+    (tests/test_parallelize.py checks that no layer recompiles)."""
     for layer in layers:
-        layer.compile()
+        layer.compile(backend=backend)
 
 
 def apply_fsdp(

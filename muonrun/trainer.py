@@ -7,25 +7,27 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from muonrun import faults
+from muonrun.agreement import Agreed, StepAgreement
 from muonrun.checkpoint import Checkpointer
 from muonrun.config import Config
 from muonrun.data import build_loader, build_tokenizer
-from muonrun.distributed import Dist, all_reduce_max, all_reduce_mean, init_distributed, pick_device_type
+from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
 from muonrun.metrics import Metrics
 from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
 from muonrun.optim import build_optimizers
 from muonrun.parallelize import parallelize
-from muonrun.profiling import StepProfiler
+from muonrun.profiling import StepProfiler, phase
 from muonrun.schedule import lr_multiplier
 
 
 class NonFiniteError(RuntimeError):
-    """Loss or gradient norm became NaN/inf; raised before the optimizer step touches the weights."""
+    """Loss or gradient norm became NaN/inf on some rank; raised before any checkpoint of it is written."""
 
 
 @dataclass
@@ -43,16 +45,30 @@ class TrainState:
 
 
 class OptimizerTimer:
-    """Wall time of the optimizer step between two device syncs (only with logging.time_optimizer)."""
+    """Times the optimizer step without waiting for the GPU (only with logging.time_optimizer): CUDA
+    events around it, read when the metrics row is written."""
 
     def __init__(self, device: torch.device):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.sync()
-        self.start = time.perf_counter()
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
 
-    def stop(self) -> float:
-        self.sync()
-        return time.perf_counter() - self.start
+    def stop(self) -> Callable[[], float]:
+        """A function returning the step's seconds (it waits for the end event, long done by then)."""
+        if not self.cuda:
+            seconds = time.perf_counter() - self.t0
+            return lambda: seconds
+        begin, end = self.begin, torch.cuda.Event(enable_timing=True)
+        end.record()
+
+        def elapsed() -> float:
+            end.synchronize()
+            return begin.elapsed_time(end) / 1e3
+
+        return elapsed
 
 
 class Trainer:
@@ -64,7 +80,9 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.hf_config = build_hf_config(cfg.model, self.tokenizer.vocab_size)
-        self.model = CausalLMWithLoss(build_model(cfg.model, self.hf_config), cfg.train.loss_chunk_tokens)
+        self.model = CausalLMWithLoss(
+            build_model(cfg.model, self.hf_config), cfg.train.loss_chunk_tokens, cfg.parallel.compile_loss
+        )
         parallelize(self.model, self.dist.mesh, cfg.parallel, device_type)
         self.model.to_empty(device=self.dist.device)
         init_weights(self.model, self.hf_config.initializer_range, cfg.train.seed, self.dist.device)
@@ -87,7 +105,8 @@ class Trainer:
             else None
         )
         self.state = TrainState()
-        self.optimizer_step_time: float | None = None
+        self.agreement = StepAgreement(self.dist.device)
+        self.optimizer_time: Callable[[], float] | None = None
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
         self.checkpointer = Checkpointer(cfg, self.dist)
         self.checkpointer.load(self)
@@ -113,42 +132,57 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over grad_accum_steps micro-batches. Returns (loss, grad norm, data wait s)
-        as device tensors: nothing here waits for the GPU except the finiteness check."""
+        as device tensors: nothing here waits for the GPU (the agreement is read one step late)."""
         accum = self.cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.dist.device)
         data_wait = 0.0
         for _ in range(accum):
-            batch, wait = self.next_batch()
+            with phase("data"):
+                batch, wait = self.next_batch()
             data_wait += wait
-            loss = self.model(batch["input_ids"], batch["labels"]) / accum
-            loss = faults.corrupt_loss(loss, self.state.step + 1, self.dist.rank)  # MUONRUN_FAULT=nan@STEP
-            loss.backward()
-            loss_sum += loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        # One collective per step, agreed by every rank: non-finite loss/grad (the loss is per rank)
-        # so all stop together before the update, plus the checkpointer's stop/async-write flags.
-        local = [~torch.isfinite(loss_sum), ~torch.isfinite(grad_norm)]
-        flags = torch.stack(
-            [f.float() for f in local] + [loss_sum.new_tensor(v) for v in self.checkpointer.local_flags()]
-        )
-        loss_bad, norm_bad, stop, writing = all_reduce_max(flags).tolist()
-        if loss_bad or norm_bad:
-            raise NonFiniteError(
-                f"Loss or gradient norm is not finite at step {self.state.step + 1} (grad norm {grad_norm.item()}, "
-                f"loss {loss_sum.item():.4f} on rank {self.dist.rank}); stopped before the optimizer step. "
-                "The last checkpoint is intact: lower the learning rate or raise warmup, then resume."
-            )
-        self.checkpointer.agree(stop, writing)
+            with phase("forward_backward"):
+                loss = self.model(batch["input_ids"], batch["labels"]) / accum
+                # MUONRUN_FAULT=nan@STEP
+                loss = faults.corrupt_loss(loss, self.state.step + 1, self.dist.rank)
+                loss.backward()
+                loss_sum += loss.detach()
+        with phase("clip"):
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+        # One collective per step, agreed by every rank (muonrun/agreement.py): non-finite loss/grad
+        # (the loss is per rank) so all stop together, plus the checkpointer's stop/async-write flags.
+        # Queued now, read at the next step: the host never waits here for the GPU to drain.
+        with phase("agree"):
+            previous = self.agreement.settle()
+            self.agreement.launch(self.state.step + 1, loss_sum, grad_norm, self.checkpointer.local_flags())
+            self.act_on(previous)
         timer = OptimizerTimer(self.dist.device) if self.cfg.logging.time_optimizer else None
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        self.optimizer_step_time = timer.stop() if timer else None
+        with phase("optimizer"):
+            for opt in self.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        self.optimizer_time = timer.stop() if timer else None
         return loss_sum, grad_norm, data_wait
+
+    def act_on(self, agreed: Agreed | None) -> None:
+        """Stop on a non-finite step anywhere; hand the agreed flags to the checkpointer."""
+        if agreed is None:
+            return
+        if agreed.loss_bad or agreed.norm_bad:
+            raise NonFiniteError(
+                f"Loss or gradient norm is not finite at step {agreed.step} (grad norm "
+                f"{agreed.grad_norm.item()}, loss {agreed.loss.item():.4f} on rank {self.dist.rank}); "
+                "stopped, and nothing from that step on was saved. The last checkpoint is intact: "
+                "lower the learning rate or raise warmup, then resume."
+            )
+        self.checkpointer.agree(agreed.stop, agreed.writing)
+
+    def settle(self) -> None:
+        """Wait for the last step's agreement (before saving it, and at the end)."""
+        self.act_on(self.agreement.settle())
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -183,20 +217,23 @@ class Trainer:
                 data_wait,
                 self.optimizers,
                 log=log_now,
-                optimizer_step_time=self.optimizer_step_time,
+                optimizer_time=self.optimizer_time,
             )
             if cfg.train.eval_interval and (
                 step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps
             ):
                 self.metrics.log_eval(self.state, self.evaluate())
             if self.checkpointer.due(step):
+                self.settle()
                 self.checkpointer.save(self)
             if self.checkpointer.stop_requested():
+                self.settle()
                 if not self.checkpointer.has(step):
                     self.checkpointer.save(self)
                 self.metrics.note(f"Stopped by signal after step {step}; checkpoint saved. Rerun to resume.")
                 return
         self.profiler.close()
+        self.settle()
         if cfg.checkpoint.save_at_end and not self.checkpointer.has(self.state.step):
             self.checkpointer.save(self)
 

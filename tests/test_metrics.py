@@ -86,7 +86,7 @@ def run_steps(m: Metrics, cfg, losses, waits, optimizers, opt_times=None):
             wait,
             optimizers,
             log=log,
-            optimizer_step_time=opt_times[i] if opt_times else None,
+            optimizer_time=(lambda t=opt_times[i]: t) if opt_times else None,
         )
     return state
 

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import torch
 
 from muonrun.config import load_config, to_object
-from muonrun.profiling import ACTIVE, WAIT, WARMUP, StepProfiler
+from muonrun.profiling import ACTIVE, WAIT, WARMUP, StepProfiler, phase
+from muonrun.timeline import summarize
 
 
 def run_steps(tmp_path, is_main: bool):
@@ -13,7 +14,8 @@ def run_steps(tmp_path, is_main: bool):
     prof = StepProfiler(cfg, SimpleNamespace(is_main=is_main, device=torch.device("cpu")))
     x = torch.randn(64, 64)
     for _ in range(WAIT + WARMUP + ACTIVE + 1):
-        x = torch.mm(x, x).tanh()
+        with phase("forward_backward"):
+            x = torch.mm(x, x).tanh()
         prof.step()
     prof.close()
     return tmp_path / "profile" / "ops.txt"
@@ -22,6 +24,60 @@ def run_steps(tmp_path, is_main: bool):
 def test_rank0_writes_the_op_table(tmp_path):
     table = run_steps(tmp_path, is_main=True).read_text()
     assert f"{ACTIVE} steps after {WAIT + WARMUP}" in table and "aten::mm" in table
+    timeline = (tmp_path / "profile" / "timeline.txt").read_text()
+    assert f"{ACTIVE} profiled steps" in timeline and "forward_backward" in timeline
+    assert (tmp_path / "profile" / "trace.json.gz").stat().st_size > 0
+
+
+def kernel(name, ts, dur, corr):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def test_timeline_splits_compute_communication_and_idle():
+    """One 10 ms step: compute 0-4 ms, NCCL 3-6 ms (2 ms of it exposed), idle 6-8, compute 8-10."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "ts": 0, "dur": 10_000},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#5", "ts": 0, "dur": 10_000},
+        {"ph": "X", "cat": "user_annotation", "name": "muonrun.forward_backward", "ts": 0, "dur": 5},
+        {"ph": "X", "cat": "user_annotation", "name": "muonrun.optimizer", "ts": 10, "dur": 5},
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 1,
+            "dur": 1,
+            "args": {"correlation": 1},
+        },
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 2,
+            "dur": 1,
+            "args": {"correlation": 2},
+        },
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 11,
+            "dur": 1,
+            "args": {"correlation": 3},
+        },
+        kernel("sm90_gemm", 0, 4_000, 1),
+        kernel("ncclDevKernel_AllToAll", 3_000, 3_000, 2),
+        kernel("newton_schulz_gemm", 8_000, 2_000, 3),
+    ]
+    text = summarize(events)
+    assert "GPU window 10.0 ms/step: compute busy 6.0, communication busy 3.0 (exposed" in text
+    assert "exposed, no compute beside it: 2.0), idle 2.0 ms/step" in text
+    assert "2.00 ms, then [optimizer] newton_schulz_gemm" in text
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in text.splitlines()
+        if line.startswith("  ") and len(line.split()) == 4
+    }
+    assert rows["forward_backward"][1:] == ["4.00", "3.00"] and rows["optimizer"][1:] == ["2.00", "0.00"]
 
 
 def test_other_ranks_write_nothing(tmp_path):

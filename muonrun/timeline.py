@@ -1,0 +1,139 @@
+"""Summarise a torch.profiler chrome trace: where each step's wall time goes on the GPU.
+
+`logging.profile=true` writes OUTPUT_DIR/profile/timeline.txt with this summary, because the question
+"why is this step slower" is about the timeline (idle gaps, exposed communication, which phase launched
+the work), which the operator table cannot answer. Also usable by hand:
+
+    python -m muonrun.timeline OUTPUT_DIR/profile/trace.json.gz
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+PHASE_PREFIX = "muonrun."  # record_function labels the trainer puts around each phase of a step
+MIN_GAP_US = 200.0
+
+
+def load_events(path: Path) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the union `a` not covered by the union `b` (both sorted and disjoint)."""
+    covered, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            covered += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return length(a) - covered
+
+
+def is_communication(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+def summarize(events: list[dict]) -> str:
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    phases = sorted(
+        (
+            (e["ts"], e["ts"] + e["dur"], e["name"][len(PHASE_PREFIX) :])
+            for e in events
+            if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX)
+        ),
+    )
+    phase_starts = [p[0] for p in phases]
+
+    def phase_at(ts: float) -> str:
+        i = bisect.bisect_right(phase_starts, ts) - 1
+        return phases[i][2] if i >= 0 and ts <= phases[i][1] else "other"
+
+    launch_phase = {
+        e["args"]["correlation"]: phase_at(e["ts"])
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    lines = [f"{len(steps)} profiled steps (rank 0)"]
+    if steps:
+        wall = sum(e["dur"] for e in steps) / len(steps)
+        lines.append(f"mean step wall time (CPU): {wall / 1e3:.1f} ms")
+    cpu = defaultdict(float)
+    for start, end, name in phases:
+        cpu[name] += end - start
+    if not device:
+        lines.append("no device activity recorded (CPU run)")
+        lines += [f"  {name:<20} CPU {t / 1e3 / max(len(steps), 1):8.2f} ms/step" for name, t in cpu.items()]
+        return "\n".join(lines) + "\n"
+
+    n = max(len(steps), 1)
+    compute = union([(e["ts"], e["ts"] + e["dur"]) for e in device if not is_communication(e["name"])])
+    comm = union([(e["ts"], e["ts"] + e["dur"]) for e in device if is_communication(e["name"])])
+    busy = union(compute + comm)
+    span = device[-1]["ts"] + device[-1]["dur"] - device[0]["ts"]
+    lines += [
+        f"GPU window {span / 1e3 / n:.1f} ms/step: compute busy {length(compute) / 1e3 / n:.1f}, "
+        f"communication busy {length(comm) / 1e3 / n:.1f} (exposed, no compute beside it: "
+        f"{subtract(comm, compute) / 1e3 / n:.1f}), idle {(span - length(busy)) / 1e3 / n:.1f} ms/step",
+        "",
+        "by phase (launched inside record_function 'muonrun.<phase>'), per step:",
+        f"  {'phase':<20} {'CPU ms':>9} {'GPU compute ms':>15} {'GPU comm ms':>12}",
+    ]
+    gpu_compute, gpu_comm = defaultdict(float), defaultdict(float)
+    for e in device:
+        phase = launch_phase.get(e.get("args", {}).get("correlation"), "other")
+        (gpu_comm if is_communication(e["name"]) else gpu_compute)[phase] += e["dur"]
+    for name in sorted(set(cpu) | set(gpu_compute) | set(gpu_comm), key=lambda k: -gpu_compute[k]):
+        lines.append(
+            f"  {name:<20} {cpu[name] / 1e3 / n:9.2f} {gpu_compute[name] / 1e3 / n:15.2f} "
+            f"{gpu_comm[name] / 1e3 / n:12.2f}"
+        )
+    gaps = []
+    for before, after in zip(busy, busy[1:], strict=False):
+        if after[0] - before[1] >= MIN_GAP_US:
+            gaps.append((after[0] - before[1], before[1], after[0]))
+    starts = [e["ts"] for e in device]
+    lines += ["", f"largest idle gaps (all streams idle >= {MIN_GAP_US / 1e3:.1f} ms), {len(gaps)} in all:"]
+    for gap, _, resume in sorted(gaps, reverse=True)[:12]:
+        nxt = device[bisect.bisect_left(starts, resume)]
+        phase = launch_phase.get(nxt.get("args", {}).get("correlation"), "other")
+        lines.append(f"  {gap / 1e3:7.2f} ms, then [{phase}] {nxt['name'][:90]}")
+    kernels = defaultdict(float)
+    for e in device:
+        kernels[e["name"][:90]] += e["dur"]
+    lines += ["", "top device kernels, ms/step:"]
+    lines += [
+        f"  {t / 1e3 / n:8.2f}  {name}" for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(summarize(load_events(Path(sys.argv[1]))), end="")

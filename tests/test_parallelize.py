@@ -1,0 +1,29 @@
+"""parallel.compile: every decoder layer runs the one compiled graph (none recompiles or falls back to eager)."""
+
+import torch
+
+from muonrun.config import load_config, to_object
+from muonrun.data import build_tokenizer
+from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, decoder_layers
+from muonrun.parallelize import apply_compile
+
+
+def test_compiled_layers_share_one_graph():
+    cfg = to_object(load_config("tiny", ["model.hf.num_hidden_layers=10"]))  # > dynamo's recompile limit of 8
+    hf_config = build_hf_config(cfg.model, build_tokenizer(cfg.data.tokenizer).vocab_size)
+    with torch.device("cpu"):
+        model = CausalLMWithLoss(build_model(cfg.model, hf_config), cfg.train.loss_chunk_tokens)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    layers = decoder_layers(model)
+    apply_compile(layers, backend="eager")  # dynamo's guards are what is under test, not inductor
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids = torch.randint(0, hf_config.vocab_size, (2, 16))
+    model(ids, ids).backward()
+    model(ids, ids).backward()
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] == 1, dict(stats)
+    assert not torch._dynamo.utils.counters["recompiles"], dict(torch._dynamo.utils.counters["recompiles"])
+    assert stats["calls_captured"] > 0
