@@ -1,6 +1,6 @@
 """Fault injection for tests and drills, read from ONE environment variable: MUONRUN_FAULT.
 
-    MUONRUN_FAULT=nan@7            rank 0's loss becomes NaN at step 7 (the run must stop before the update)
+    MUONRUN_FAULT=nan@7            rank 0's loss becomes NaN at step 7 (the run must stop and save nothing of it)
     MUONRUN_FAULT=kill@7           rank 0 SIGKILLs itself after step 7's optimizer step (a crashed worker)
     MUONRUN_FAULT=kill@save:8      rank 0 SIGKILLs itself in the middle of step 8's checkpoint save
     MUONRUN_FAULT=term@6           rank 0 sends SIGTERM to the launcher after step 6 (like a scheduler

@@ -56,7 +56,11 @@ def main() -> None:
         h = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(args.vocab, d, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
         y = torch.randint(0, args.vocab, (args.tokens,), device="cuda")
-        for name, fn in (("full logits", full_logits), ("fused eager", fused(False)), ("fused compiled", fused(True))):
+        for name, fn in (
+            ("full logits", full_logits),
+            ("fused eager", fused(False)),
+            ("fused compiled", fused(True)),
+        ):
             ms, gib = measure(fn, h, w, y, args.chunk)
             loss = fn(h, w, y, args.chunk).item()
             print(f"{d:>6} {name:<16} {ms:>10.2f} {gib:>9.2f} {loss:>14.2f}")

@@ -80,7 +80,7 @@ def test_qwen2_presets_share_the_recipe():
     assert adamw.model == muon.model and adamw.data == muon.data and adamw.train == muon.train
     assert (adamw.optimizer.name, muon.optimizer.name) == ("adamw", "muon")
     assert adamw.optimizer.lr == 2e-4 and muon.optimizer.muon.lr == 0.02
-    assert adamw.data.seq_len == 2048 and adamw.train.micro_batch_size == 4 and adamw.train.max_steps == 305
+    assert adamw.data.seq_len == 2048 and adamw.train.micro_batch_size == 16 and adamw.train.max_steps == 305
 
 
 def test_every_field_is_documented():

@@ -133,7 +133,7 @@ def test_dp_replicate_minus_one_is_one_replica_per_node():
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())
     assert "dp_replicate=32 x dp_shard=8), 32 nodes x 8" in out
-    assert "activations/rank (rough)" in out and "tokens/step 2,097,152" in out
+    assert "activations/rank (rough)" in out and "tokens/step 8,388,608" in out
 
 
 def test_launcher_rejects_a_mesh_that_does_not_fit_before_any_worker_starts():
