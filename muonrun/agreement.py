@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from muonrun.distributed import all_reduce_max
+from muonrun.distributed import HostCopy, all_reduce_max
 
 
 @dataclass
@@ -34,8 +34,7 @@ class Agreed:
 
 
 class StepAgreement:
-    def __init__(self, device: torch.device):
-        self.on_gpu = device.type == "cuda"
+    def __init__(self):
         self._pending: tuple | None = None
 
     def launch(
@@ -46,24 +45,13 @@ class StepAgreement:
             [(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm)).float().to(loss.device)]
             + [loss.new_tensor(v, dtype=torch.float32) for v in local_flags]
         )
-        agreed = all_reduce_max(local)
-        event = None
-        if self.on_gpu:
-            host = torch.empty(agreed.shape, dtype=agreed.dtype, pin_memory=True)
-            host.copy_(agreed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = agreed
-        self._pending = (step, host, event, loss, grad_norm)
+        self._pending = (step, HostCopy(all_reduce_max(local)), loss, grad_norm)
 
     def settle(self) -> Agreed | None:
         """The pending agreement (waits only for its own collective), or None if nothing is pending."""
         if self._pending is None:
             return None
-        step, host, event, loss, grad_norm = self._pending
+        step, agreed, loss, grad_norm = self._pending
         self._pending = None
-        if event is not None:
-            event.synchronize()
-        loss_bad, norm_bad, stop, writing = (v > 0 for v in host.tolist())
+        loss_bad, norm_bad, stop, writing = (v > 0 for v in agreed.values())
         return Agreed(step, loss_bad, norm_bad, stop, writing, loss, grad_norm)

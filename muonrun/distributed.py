@@ -97,6 +97,25 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+class HostCopy:
+    """A small device tensor copied to pinned host memory without waiting: `.values()` blocks only
+    until that copy is done, which one step later it long is (muonrun/agreement.py, metrics.py)."""
+
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = values, None
+
+    def values(self) -> list[float]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 def destroy() -> None:
     if dist.is_initialized():
         dist.barrier()

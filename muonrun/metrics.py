@@ -25,7 +25,7 @@ import torch
 
 from muonrun.config import Config
 from muonrun.console import make_view
-from muonrun.distributed import Dist, all_reduce_max, all_reduce_mean
+from muonrun.distributed import Dist, HostCopy, all_reduce_max, all_reduce_mean
 from muonrun.errors import UserError
 
 # Dense (no sparsity) peak TFLOP/s per device from the vendors' datasheets: bf16 tensor cores, tf32 (fp32
@@ -415,14 +415,7 @@ class Metrics:
         worst = all_reduce_max(
             torch.tensor([self._window_wait, peak_memory_gib(self.dist.device)], device=device)
         )
-        reduced = torch.cat([mean, worst])
-        if device.type == "cuda":
-            host = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
-            host.copy_(reduced, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host, done = reduced, None
+        reduced = HostCopy(torch.cat([mean, worst]))
         steps = self._window_steps
         step_time = (now - self._window_start - self._window_paused) / steps
         tps = self.tokens_per_step_per_rank / step_time
@@ -448,18 +441,16 @@ class Metrics:
         eta = None
         if done_steps := state.step - self._start_step:
             eta = (self.cfg.train.max_steps - state.step) * (now - self._t0) / done_steps
-        self._pending = (row, host, done, timings, steps, eta)
+        self._pending = (row, reduced, timings, steps, eta)
         self._reset_window()
 
     def _flush(self) -> None:
         """Write the row queued by the last logged step (its reductions finished long ago)."""
         if self._pending is None:
             return
-        row, host, done, timings, steps, eta = self._pending
+        row, reduced, timings, steps, eta = self._pending
         self._pending = None
-        if done is not None:
-            done.synchronize()
-        loss, grad_norm, wait, peak_mem = host.tolist()
+        loss, grad_norm, wait, peak_mem = reduced.values()
         row.update(loss=loss, grad_norm=grad_norm, data_wait_time=wait / steps, peak_mem_gib=peak_mem)
         if timings:
             row["optimizer_step_time"] = sum(t() for t in timings) / len(timings)

@@ -105,7 +105,7 @@ class Trainer:
             else None
         )
         self.state = TrainState()
-        self.agreement = StepAgreement(self.dist.device)
+        self.agreement = StepAgreement()
         self.optimizer_time: Callable[[], float] | None = None
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
         self.checkpointer = Checkpointer(cfg, self.dist)

@@ -1,0 +1,27 @@
+"""The per-step agreement is queued at one step and read at the next (single process here; the
+multi-process NaN/SIGTERM paths run in tests/test_checkpoint.py)."""
+
+import math
+
+import pytest
+import torch
+
+from muonrun.agreement import StepAgreement
+
+
+@pytest.mark.parametrize(
+    "loss, grad_norm, flags, expected",
+    [
+        (math.nan, 1.0, [0.0, 1.0], (True, False, False, True)),
+        (2.0, math.inf, [1.0, 0.0], (False, True, True, False)),
+        (2.0, 1.0, [0.0, 0.0], (False, False, False, False)),
+    ],
+)
+def test_settle_returns_what_was_launched_once(loss, grad_norm, flags, expected):
+    agreement = StepAgreement()
+    assert agreement.settle() is None
+    agreement.launch(7, torch.tensor(loss), torch.tensor(grad_norm), flags)
+    agreed = agreement.settle()
+    assert agreed.step == 7
+    assert (agreed.loss_bad, agreed.norm_bad, agreed.stop, agreed.writing) == expected
+    assert agreement.settle() is None  # read once
