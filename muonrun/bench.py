@@ -1,7 +1,7 @@
 """`muonrun bench CONFIG [OVERRIDES] --variant NAME:key=v,key=v ...`: variants side by side, one call.
 
 Each variant is a real, short `pretrain` run (same launcher, same trainer) with per-step logging and
-the optimizer step timed between device syncs; the first `--warmup` steps are dropped and the
+the optimizer step timed with CUDA events (no sync); the first `--warmup` steps are dropped and the
 medians of the rest are reported. Example (2 x H200):
 
     muonrun bench qwen2-adamw-fsdp2 --steps 10 --warmup 5 \

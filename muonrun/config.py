@@ -240,8 +240,8 @@ class LoggingConfig:
     wandb_entity: str | None = None
     """Weights & Biases entity (user or team). None: your default entity."""
     time_optimizer: bool = False
-    """Synchronize the device around the optimizer step to log `optimizer_step_time` (benchmarks;
-    costs a little speed)."""
+    """Log `optimizer_step_time`: the optimizer step timed with CUDA events around it (no host sync;
+    on CPU, wall time)."""
     profile: bool = False
     """Profile steps 6-8 on rank 0 with torch.profiler; writes OUTPUT_DIR/profile/ops.txt,
     trace.json.gz and timeline.txt (GPU busy/idle/communication per step and per phase)."""
