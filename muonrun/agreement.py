@@ -41,9 +41,11 @@ class StepAgreement:
         self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, local_flags: list[float]
     ) -> None:
         """Queue step's agreement; `local_flags` are this rank's [stop requested, async write running]."""
-        local = torch.stack(
-            [(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm)).float().to(loss.device)]
-            + [loss.new_tensor(v, dtype=torch.float32) for v in local_flags]
+        local = torch.cat(
+            [
+                torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm).to(loss.device)]).float(),
+                torch.tensor(local_flags, dtype=torch.float32, device=loss.device),  # one host-to-device copy
+            ]
         )
         self._pending = (step, HostCopy(all_reduce_max(local)), loss, grad_norm)
 

@@ -92,6 +92,16 @@ def take(loader, n) -> list[np.ndarray]:
     return [rows(next(loader)) for _ in range(n)]
 
 
+def assert_each_rank_resumes(cfg, tok, states, expect) -> None:
+    """A fresh loader per rank, given that rank's saved state, yields exactly the batches `expect[rank]`."""
+    dp = len(states)
+    for r in range(dp):
+        resumed = build_loader(cfg, tok, dp_rank=r, dp_size=dp)
+        resumed.load_state_dict(states[r])
+        got = take(resumed, len(expect[r]))
+        assert all(np.array_equal(a, b) for a, b in zip(got, expect[r], strict=True))
+
+
 @pytest.fixture
 def corpus(tmp_path):
     texts = docs(80)
@@ -214,10 +224,7 @@ def test_map_resume_is_exact(corpus, dp):
         take(ld, k)
     states = [ld.state_dict() for ld in full]
     expect = [take(ld, m) for ld in full]
-    for r in range(dp):
-        resumed = build_loader(cfg, tok, dp_rank=r, dp_size=dp)
-        resumed.load_state_dict(states[r])
-        assert all(np.array_equal(a, b) for a, b in zip(take(resumed, m), expect[r], strict=True))
+    assert_each_rank_resumes(cfg, tok, states, expect)
 
 
 def test_map_resume_on_a_different_dp_size(corpus):
@@ -272,10 +279,7 @@ def test_streaming_resume_is_exact(corpus, dp, tmp_path):
     assert full[0].packers[0].epoch >= 1
     if dp == 2:  # ranks read different documents
         assert not np.array_equal(expect[0][0], expect[1][0])
-    for r in range(dp):
-        resumed = build_loader(cfg, tok, dp_rank=r, dp_size=dp)
-        resumed.load_state_dict(states[r])
-        assert all(np.array_equal(a, b) for a, b in zip(take(resumed, m), expect[r], strict=True))
+    assert_each_rank_resumes(cfg, tok, states, expect)
 
 
 def test_streaming_resume_on_a_different_dp_size_is_refused(corpus):
