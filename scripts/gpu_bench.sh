@@ -15,7 +15,7 @@ data=(data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py"}]' train.eval_
 declare -A arch=(
   [0.5b]=""
   [1.5b]="model.hf.hidden_size=1536 model.hf.intermediate_size=8960 model.hf.num_hidden_layers=28 model.hf.num_attention_heads=12"
-  [7b]="model.hf.hidden_size=3584 model.hf.intermediate_size=18944 model.hf.num_hidden_layers=28 model.hf.num_attention_heads=28 model.hf.num_key_value_heads=4 model.hf.tie_word_embeddings=false model.hf.vocab_size=152064 train.micro_batch_size=4 parallel.activation_checkpointing=full"
+  [7b]="model.hf.hidden_size=3584 model.hf.intermediate_size=18944 model.hf.num_hidden_layers=28 model.hf.num_attention_heads=28 model.hf.num_key_value_heads=4 model.hf.tie_word_embeddings=false model.hf.vocab_size=152064 train.micro_batch_size=8 parallel.activation_checkpointing=selective"
 )
 for size in $sizes; do
   extra=${BASELINE_EXTRA:-}
