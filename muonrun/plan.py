@@ -55,6 +55,16 @@ def activation_gib(hf, c, param_bytes: int) -> float:
     return (layer_bytes + head_bytes) / GIB
 
 
+def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int) -> float:
+    """Muon's Newton–Schulz FLOPs per rank and optimizer step: every matrix is orthogonalized once in
+    each shard group, so the work is split over dp_shard ranks, but a matrix is never split: no rank
+    does less than the largest one."""
+    from muonrun.optim.muon import newton_schulz_flops
+
+    flops = [newton_schulz_flops(shape, steps) for shape in shapes]
+    return max(sum(flops) / dp_shard, max(flops, default=0))
+
+
 def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     from muonrun.launch import default_nproc
     from muonrun.model import build_hf_config, build_model, count_params, flops_per_token
@@ -77,16 +87,23 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     )
     muon_params = sum(p.numel() for _, p in split.muon)
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * world
+    fpt = flops_per_token(hf, c.data.seq_len)
     return {
         "model": f"{hf.model_type} ({c.model.name_or_path or 'inline config'})",
         "parameters": params,
         "muon_parameters": muon_params if c.optimizer.name == "muon" else 0,
-        "flops_per_token": flops_per_token(hf, c.data.seq_len),
+        "flops_per_token": fpt,
         "world_size": world,
         "nnodes": nnodes,
         "mesh": {"dp_replicate": replicate, "dp_shard": shard},
         "tokens_per_step": tokens_per_step,
         "total_tokens": tokens_per_step * c.train.max_steps,
+        "model_flops_per_rank_step": fpt * tokens_per_step / world,
+        "ns_flops_per_rank_step": (
+            ns_flops_per_rank([p.shape for _, p in split.muon], c.optimizer.muon.ns_steps, shard)
+            if c.optimizer.name == "muon"
+            else 0
+        ),
         "memory_gib_per_rank": memory_per_rank(params, muon_params, c.optimizer.name, shard),
         # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
         "activation_gib_per_rank": activation_gib(
@@ -128,6 +145,18 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ),
         ("output", c.output_dir),
     ]
+    if s["ns_flops_per_rank_step"]:
+        ns, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
+        rows.insert(
+            -1,
+            (
+                "Muon Newton–Schulz",
+                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step = {ns / model:.1%} of the model's "
+                f"{model / 1e12:.1f} TFLOP per rank and step: an upper estimate of Muon's extra step time "
+                "over AdamW (measured on 2 x H200: +21% at 37%, +5% at 7%, docs/benchmarks.md); more "
+                "tokens per step (train.grad_accum_steps) or more ranks shrink it",
+            ),
+        )
     print("muonrun plan (dry run: nothing was trained)")
     width = max(len(key) for key, _ in rows)
     for key, value in rows:

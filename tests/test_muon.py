@@ -17,6 +17,7 @@ from muonrun.optim.muon import (
     Muon,
     adjust_lr,
     newton_schulz,
+    newton_schulz_flops,
     resolve_ns_coefficients,
 )
 
@@ -200,6 +201,27 @@ def test_newton_schulz_orthogonalizes_and_polar_express_is_tighter():
     assert resolve_ns_coefficients((1.0, 2.0, 3.0), 2) == (((1.0, 2.0, 3.0), (1.0, 2.0, 3.0)), 1.0)
     with pytest.raises(ValueError):
         resolve_ns_coefficients("bogus", 5)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4), (2, 7, 3)])
+def test_newton_schulz_flops_counts_what_runs(shape):
+    """The closed form behind the dry-run plan's Muon estimate equals the matmul FLOPs torch counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        newton_schulz(torch.randn(shape), steps=3)
+    assert counter.get_total_flops() == math.prod(shape[:-2]) * newton_schulz_flops(shape, 3)
+    assert newton_schulz_flops((3, 5), 5) == 5 * (4 * 9 * 5 + 2 * 27)  # by hand
+
+
+def test_ns_flops_per_rank_splits_matrices_but_never_one_matrix():
+    from muonrun.plan import ns_flops_per_rank
+
+    shapes = [(3, 5), (3, 5), (2, 2)]  # 1170 + 1170 + 240 FLOPs with 5 steps
+    assert ns_flops_per_rank(shapes, 5, 1) == 2580
+    assert ns_flops_per_rank(shapes, 5, 2) == 1290
+    assert ns_flops_per_rank(shapes, 5, 8) == 1170  # one whole (3, 5) matrix on some rank
 
 
 def test_polar_express_option_steps():

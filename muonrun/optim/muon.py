@@ -206,6 +206,13 @@ def _ns_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], fold_
     return X.contiguous()
 
 
+def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS) -> int:
+    """Matmul FLOPs of ``newton_schulz`` on one ``rows x cols`` matrix: per iteration, on the wide
+    orientation ``m x n`` (``m <= n``), ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n)."""
+    m, n = sorted(shape[-2:])
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
     """Scale ``lr`` for a matrix of ``shape = (A, B)`` (A = rows = fan-out, B = cols = fan-in).
 
