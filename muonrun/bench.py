@@ -6,6 +6,9 @@ medians of the rest are reported. Example (2 x H200):
 
     muonrun bench qwen2-adamw-fsdp2 --steps 10 --warmup 5 \
         --variant adamw --variant muon:optimizer.name=muon --out bench.json
+
+`--repeat N` runs the variants N times round-robin and reports the median of the runs' medians
+with the tokens/s range: same-variant runs in one call can differ by several percent on a GPU.
 """
 
 from __future__ import annotations
@@ -56,41 +59,74 @@ def summarize(rows: list[dict], warmup: int) -> dict:
     return summary
 
 
+def combine(runs: list[dict]) -> dict:
+    """One variant's repeated runs: the median of each run's medians, and the tokens/s range."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {"repeats": len(runs), "steps_measured": sum(r["steps_measured"] for r in runs)}
+    out["final_loss"] = runs[-1]["final_loss"]
+    for key in REPORTED:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    tps = [r["tokens_per_s_per_device"] for r in runs]
+    out["tokens_per_s_per_device_range"] = [min(tps), max(tps)]
+    return out
+
+
 def run_bench(
-    preset: str, overrides: list[str], variants: list[str], steps: int, warmup: int, out_dir: Path
+    preset: str,
+    overrides: list[str],
+    variants: list[str],
+    steps: int,
+    warmup: int,
+    out_dir: Path,
+    repeat: int = 1,
 ) -> dict:
     from muonrun.config import load_config
     from muonrun.launch import launch
 
-    results = {}
-    for spec in variants or ["default"]:
-        name, extra = parse_variant(spec)
-        run_dir = out_dir / name
-        metrics = run_dir / "metrics.jsonl"
-        metrics.unlink(missing_ok=True)
-        cfg = load_config(
-            preset,
-            [
-                *overrides,
-                *extra,
-                *BENCH_OVERRIDES,
-                f"train.max_steps={warmup + steps}",
-                f"output_dir={run_dir}",
-                f"name={name}",
-            ],
-        )
-        code = launch(cfg)
-        if code:
-            results[name] = {"error": f"exit code {code}"}
-            continue
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        results[name] = {"overrides": extra, **summarize(rows, warmup)}
-    return results
+    specs = [parse_variant(spec) for spec in variants or ["default"]]
+    names = [name for name, _ in specs]
+    if len(set(names)) < len(names):
+        raise UserError(f"Variant names must differ (got {', '.join(names)}): each names its own run folder.")
+    if repeat < 1:
+        raise UserError(f"--repeat is {repeat}; it must be at least 1.")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    failed: dict[str, dict] = {}
+    # Round-robin, not variant after variant: a machine that drifts during the call (measured: 6%
+    # between two runs of one variant in one call) then biases no variant.
+    for r in range(repeat):
+        for name, extra in specs:
+            if name in failed:
+                continue
+            run_dir = out_dir / (name if repeat == 1 else f"{name}-{r + 1}")
+            metrics = run_dir / "metrics.jsonl"
+            metrics.unlink(missing_ok=True)
+            cfg = load_config(
+                preset,
+                [
+                    *overrides,
+                    *extra,
+                    *BENCH_OVERRIDES,
+                    f"train.max_steps={warmup + steps}",
+                    f"output_dir={run_dir}",
+                    f"name={name}",
+                ],
+            )
+            code = launch(cfg)
+            if code:
+                failed[name] = {"error": f"exit code {code}"}
+                continue
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+            runs[name].append(summarize(rows, warmup))
+    return {name: failed.get(name) or {"overrides": extra, **combine(runs[name])} for name, extra in specs}
 
 
 def print_results(results: dict) -> None:
-    table = Table(title="muonrun bench (medians after warm-up)")
-    for col in ("variant", "tokens/s/dev", "MFU", "step ms", "optim ms", "data wait ms", "peak GiB", "loss"):
+    repeated = any("tokens_per_s_per_device_range" in r for r in results.values())
+    table = Table(title="muonrun bench (medians after warm-up" + (", over repeats)" if repeated else ")"))
+    cols = ["variant", "tokens/s/dev"] + (["range"] if repeated else [])
+    for col in cols + ["MFU", "step ms", "optim ms", "data wait ms", "peak GiB", "loss"]:
         table.add_column(col, justify="right")
 
     def fmt(v, scale=1.0, spec=",.0f"):
@@ -98,11 +134,13 @@ def print_results(results: dict) -> None:
 
     for name, r in results.items():
         if "error" in r:
-            table.add_row(name, r["error"], *["-"] * 6)
+            table.add_row(name, r["error"], *["-"] * (len(cols) + 4))
             continue
+        lo_hi = r.get("tokens_per_s_per_device_range")
         table.add_row(
             name,
             fmt(r["tokens_per_s_per_device"]),
+            *([f"{fmt(lo_hi[0])}-{fmt(lo_hi[1])}" if lo_hi else "-"] if repeated else []),
             fmt(r["mfu"], 100, ".1f") + ("%" if r["mfu"] is not None else ""),
             fmt(r["step_time"], 1000, ".1f"),
             fmt(r["optimizer_step_time"], 1000, ".1f"),

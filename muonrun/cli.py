@@ -230,6 +230,9 @@ def bench(
     out: Annotated[
         str, typer.Option(help="JSON file for the results; runs go beside it.")
     ] = "bench/results.json",
+    repeat: Annotated[
+        int, typer.Option(help="Run the variants this many times, round-robin; report medians and the range.")
+    ] = 1,
 ) -> None:
     """Time short training runs of one or more variants side by side: tokens/s, MFU, step and optimizer time."""
     import json
@@ -238,7 +241,7 @@ def bench(
     from muonrun.bench import print_results, run_bench
 
     out_path = Path(out)
-    results = run_bench(config, overrides or [], variant or [], steps, warmup, out_path.parent)
+    results = run_bench(config, overrides or [], variant or [], steps, warmup, out_path.parent, repeat)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2))
     print_results(results)

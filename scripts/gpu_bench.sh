@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Speed study on one GPU host: the hand-glued baseline and muonrun variants side by side, one call.
 #   bash scripts/gpu_bench.sh OUT_DIR [0.5b|1.5b|7b ...]
-# Env: STEPS, WARMUP, VARIANTS (muonrun bench --variant flags), BASELINES (default "adamw torch_muon";
-# empty for none), BASELINE_EXTRA (e.g. --compile).
+# Env: STEPS, WARMUP, REPEAT (runs per variant, round-robin), VARIANTS (muonrun bench --variant flags),
+# BASELINES (default "adamw torch_muon"; empty for none), BASELINE_EXTRA (e.g. --compile).
 # Data: the Python standard library's source with the byte tokenizer (on every machine, offline);
 # the 151,936-way Qwen2 LM head is kept, so the arithmetic matches the Qwen2 presets.
 set -uo pipefail
@@ -24,7 +24,7 @@ for size in $sizes; do
       --out "$out/baseline.jsonl" $extra 2>&1 | grep -v Warning | tail -3
   done
   # shellcheck disable=SC2086
-  python3 -m muonrun bench qwen2-adamw-fsdp2 "${data[@]}" ${arch[$size]} --steps "${STEPS:-10}" --warmup "${WARMUP:-5}" \
+  python3 -m muonrun bench qwen2-adamw-fsdp2 "${data[@]}" ${arch[$size]} --steps "${STEPS:-10}" --warmup "${WARMUP:-5}" --repeat "${REPEAT:-1}" \
     ${VARIANTS:---variant adamw --variant muon:optimizer.name=muon} \
     --out "$out/bench-$size/results.json" 2>&1 | grep -vE "Warning|warn" | tail -25
 done

@@ -30,3 +30,36 @@ def test_summarize_drops_warmup_and_takes_medians():
     assert out["mfu"] is None and out["optimizer_step_time"] is None
     with pytest.raises(UserError, match="warm-up"):
         summarize(rows, warmup=5)
+
+
+def test_repeats_run_round_robin_and_report_median_and_range(tmp_path, monkeypatch):
+    """The orchestration, with `launch` replaced by one that logs a known step time per run."""
+    import json
+    from pathlib import Path
+
+    import muonrun.launch
+    from muonrun.bench import run_bench
+
+    launched = []
+    step_times = iter([0.5, 1.0, 0.4, 2.0, 0.6, 1.5])  # a, b, a, b, a, b
+
+    def fake_launch(cfg):
+        launched.append(cfg.output_dir)
+        t = next(step_times)
+        rows = [{"event": "start"}] + [
+            {"step": s, "loss": 1.0, "step_time": t, "tokens_per_s_per_device": 1 / t} for s in (1, 2, 3)
+        ]
+        run_dir = Path(cfg.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return 0
+
+    monkeypatch.setattr(muonrun.launch, "launch", fake_launch)
+    out = run_bench("tiny", [], ["a", "b:optimizer.name=muon"], 2, 1, tmp_path, 3)
+    assert [Path(p).name for p in launched] == ["a-1", "b-1", "a-2", "b-2", "a-3", "b-3"]
+    assert out["a"]["step_time"] == 0.5 and out["b"]["step_time"] == 1.5  # median of the three runs
+    assert out["a"]["tokens_per_s_per_device_range"] == [1 / 0.6, 1 / 0.4]
+    assert out["b"]["repeats"] == 3 and out["b"]["steps_measured"] == 6
+    assert out["b"]["overrides"] == ["optimizer.name=muon"]
+    with pytest.raises(UserError, match="must differ"):
+        run_bench("tiny", [], ["a", "a:optimizer.name=muon"], 2, 1, tmp_path)
