@@ -1,4 +1,4 @@
-"""The one cross-rank collective per step, read one step late so the host never waits for the GPU.
+"""The one cross-rank collective per step, read one step late.
 
 Every step all ranks must agree on: is the loss or gradient norm non-finite anywhere (stop together),
 did any rank get SIGTERM/SIGUSR1 (save and stop together), is any rank's async checkpoint write still
@@ -6,6 +6,12 @@ running (publish together). Reading that answer right away would make the host w
 backward pass every step, and then the next forward's launch overhead could never hide behind GPU
 work (measured on Qwen2-0.5B: the forward was ~60% idle GPU). So the MAX all-reduce and its copy to
 pinned host memory are queued at step N and read at step N+1, when the GPU finished them long ago.
+
+Known, measured, left as is: `launch` puts this rank's two flags on the GPU with `torch.tensor(...,
+device=...)`, a copy from pageable memory that synchronizes the stream, so the host still waits once
+per step for the queued forward/backward (0.5B profile: ~94 ms per step in the `agree` phase). A
+non-blocking copy (pinned buffer) removed that wait but measured -15% tokens/s at micro-batch 8 and
++1.8% at 16 (docs/benchmarks.md, run 15): not adopted until a profile explains the slowdown.
 
 The price: a NaN at step N is seen before step N+1's update, after step N's update was applied in
 memory. Nothing bad is ever saved: a checkpoint first settles its own step's agreement (`settle`).

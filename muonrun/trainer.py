@@ -154,7 +154,7 @@ class Trainer:
                 grad_norm = grad_norm.full_tensor()
         # One collective per step, agreed by every rank (muonrun/agreement.py): non-finite loss/grad
         # (the loss is per rank) so all stop together, plus the checkpointer's stop/async-write flags.
-        # Queued now, read at the next step: the host never waits here for the GPU to drain.
+        # Queued now, read at the next step (the flags' host-to-device copy still syncs: agreement.py).
         with phase("agree"):
             previous = self.agreement.settle()
             self.agreement.launch(self.state.step + 1, loss_sum, grad_norm, self.checkpointer.local_flags())
