@@ -11,7 +11,8 @@ Known, measured, left as is: `launch` puts this rank's two flags on the GPU with
 device=...)`, a copy from pageable memory that synchronizes the stream, so the host still waits once
 per step for the queued forward/backward (0.5B profile: ~94 ms per step in the `agree` phase). A
 non-blocking copy (pinned buffer) removed that wait but measured -15% tokens/s at micro-batch 8 and
-+1.8% at 16 (docs/benchmarks.md, run 15): not adopted until a profile explains the slowdown.
++1.8% at 16 in one A/B (docs/benchmarks.md, run 15; maybe machine drift): not adopted until a
+repeated A/B and a profile decide.
 
 The price: a NaN at step N is seen before step N+1's update, after step N's update was applied in
 memory. Nothing bad is ever saved: a checkpoint first settles its own step's agreement (`settle`).
