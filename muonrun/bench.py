@@ -17,9 +17,9 @@ import json
 import statistics
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from muonrun.console import print_table
 from muonrun.errors import UserError
 
 BENCH_OVERRIDES = [
@@ -148,4 +148,4 @@ def print_results(results: dict) -> None:
             fmt(r["peak_mem_gib"], 1, ".1f"),
             fmt(r["final_loss"], 1, ".3f"),
         )
-    Console().print(table)
+    print_table(table)

@@ -182,9 +182,10 @@ def markdown_table(rows: list[dict], target: float, smoothing: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_table(rows: list[dict], target: float) -> None:
-    from rich.console import Console
+def print_comparison(rows: list[dict], target: float) -> None:
     from rich.table import Table
+
+    from muonrun.console import print_table
 
     table = Table(title=f"muonrun compare (target loss {target:.4f})")
     table.add_column("")
@@ -192,7 +193,7 @@ def print_table(rows: list[dict], target: float) -> None:
         table.add_column(row["run"], justify="right")
     for key, title, fmt in METRICS:
         table.add_row(title, *_cells(rows, key, fmt))
-    Console().print(table)
+    print_table(table)
 
 
 def plot(runs: list[Run], out: Path, smoothing: float, target: float, title: str | None = None) -> None:
@@ -273,5 +274,5 @@ def compare(
     rows, target = summarize(runs, smoothing)
     plot(runs, out, smoothing, target, title)
     out.with_suffix(".md").write_text(markdown_table(rows, target, smoothing))
-    print_table(rows, target)
+    print_comparison(rows, target)
     return rows

@@ -12,6 +12,19 @@ import datetime
 import sys
 from typing import TextIO
 
+LOG_WIDTH = 200  # columns for tables printed into a file or pipe
+
+
+def print_table(table) -> None:
+    """Print a rich table: at the terminal's width, or, into a log file or pipe (where rich assumes 80
+    columns and cuts cells to "adamw-s…"), as wide as the table needs."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=LOG_WIDTH)
+    console.print(table)
+
 
 def format_eta(seconds: float | None) -> str:
     return "?" if seconds is None else str(datetime.timedelta(seconds=round(seconds)))

@@ -63,3 +63,25 @@ def test_repeats_run_round_robin_and_report_median_and_range(tmp_path, monkeypat
     assert out["b"]["overrides"] == ["optimizer.name=muon"]
     with pytest.raises(UserError, match="must differ"):
         run_bench("tiny", [], ["a", "a:optimizer.name=muon"], 2, 1, tmp_path)
+
+
+def test_results_table_keeps_whole_names_in_a_log_file(capsys):
+    """Printed into a pipe (a cluster log), rich would assume 80 columns and cut cells to 'adamw-s…'."""
+    from muonrun.bench import print_results
+
+    row = {
+        "tokens_per_s_per_device": 10262.4,
+        "mfu": 0.453,
+        "step_time": 1.5966,
+        "optimizer_step_time": 0.0366,
+    }
+    row |= {"data_wait_time": 0.00061, "peak_mem_gib": 87.0, "final_loss": 6.077}
+    results = {
+        "adamw-selective-mb8-keep-gathered": {**row, "tokens_per_s_per_device_range": [10001.0, 10511.0]},
+        "muon-selective-mb8-keep-gathered": {"error": "exit code 1"},
+    }
+    print_results(results)
+    out = capsys.readouterr().out
+    assert "adamw-selective-mb8-keep-gathered" in out and "muon-selective-mb8-keep-gathered" in out
+    assert "10,001-10,511" in out and "45.3%" in out and "exit code 1" in out
+    assert "…" not in out
