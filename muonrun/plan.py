@@ -57,8 +57,8 @@ def activation_gib(hf, c, param_bytes: int) -> float:
 
 def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int) -> float:
     """Muon's Newton–Schulz FLOPs per rank and optimizer step: every matrix is orthogonalized once in
-    each shard group, so the work is split over dp_shard ranks, but a matrix is never split: no rank
-    does less than the largest one."""
+    each shard group, so the work is split over dp_shard ranks; a matrix is never split, so the
+    busiest rank does at least the largest one."""
     from muonrun.optim.muon import newton_schulz_flops
 
     flops = [newton_schulz_flops(shape, steps) for shape in shapes]
