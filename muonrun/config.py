@@ -95,8 +95,9 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle the packed windows (seeded by train.seed)."""
     shuffle_buffer: int = 10000
-    """Streaming only: documents read, shuffled and tokenized together per rank (a block). Resume re-reads
-    the current block, so larger blocks shuffle better but resume slower."""
+    """Streaming only: documents read, shuffled and tokenized together per rank (a block; training
+    prepares the next one on a background thread). Resume re-reads the current block, so larger
+    blocks shuffle better but resume slower."""
 
 
 @dataclass

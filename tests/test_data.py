@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from muonrun.config import Config, DataConfig, SourceConfig, TrainConfig
-from muonrun.data import build_loader, build_tokenizer, check_data, ensure_cached, prepare
+from muonrun.data import ByteTokenizer, build_loader, build_tokenizer, check_data, ensure_cached, prepare
 from muonrun.data import cache as cache_mod
 from muonrun.errors import UserError
 
@@ -280,6 +282,39 @@ def test_streaming_resume_is_exact(corpus, dp, tmp_path):
     if dp == 2:  # ranks read different documents
         assert not np.array_equal(expect[0][0], expect[1][0])
     assert_each_rank_resumes(cfg, tok, states, expect)
+
+
+def test_streaming_tokenizes_the_next_block_ahead_on_a_thread(corpus, tmp_path):
+    """Training reads and tokenizes block k+1 in the background while block k is served; evaluation
+    does not read ahead; rewinding a loader that is reading ahead replays exactly."""
+    _, path = corpus
+    threads, second_block = [], threading.Event()
+
+    class Recording(ByteTokenizer):
+        def encode_docs(self, texts):
+            threads.append(threading.current_thread().name)
+            if len(threads) == 2:
+                second_block.set()
+            return super().encode_docs(texts)
+
+    cfg = stream_cfg(path, seq_len=16, batch=1, shuffle=False)  # 7 documents per block
+    loader = build_loader(cfg, Recording())
+    first = take(loader, 1)
+    assert second_block.wait(timeout=30)  # nobody asked for block 1 yet
+    assert threads[:2] == [threading.current_thread().name, "muonrun-stream"]
+    state = loader.state_dict()
+    expect = take(loader, 40)  # crosses several blocks
+    loader.load_state_dict(state)  # while the thread is reading ahead
+    assert all(np.array_equal(a, b) for a, b in zip(take(loader, 40), expect, strict=True))
+    assert np.array_equal(first[0], take(build_loader(cfg, ByteTokenizer()), 1)[0])
+
+    threads.clear()
+    evals = make_cfg(
+        [path], eval_sources=[SourceConfig(path=path, streaming=True)], eval_steps=2, shuffle_buffer=7
+    )
+    assert len(list(build_loader(evals, Recording(), split="eval"))) == 2
+    time.sleep(0.2)
+    assert threads == [threading.current_thread().name]  # one block, read when asked
 
 
 def test_streaming_resume_on_a_different_dp_size_is_refused(corpus):

