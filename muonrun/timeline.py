@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -20,6 +21,17 @@ DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 PHASE_PREFIX = "muonrun."  # record_function labels the trainer puts around each phase of a step
 MIN_GAP_US = 200.0
+# CUDA calls in which the host waits for the GPU (a pageable host-to-device copy or `.item()` shows
+# up as a stream synchronize inside the aten op that caused it)
+SYNC_CALLS = {
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cuStreamSynchronize",
+    "cuCtxSynchronize",
+    "cuEventSynchronize",
+}
 
 
 def load_events(path: Path) -> list[dict]:
@@ -58,6 +70,33 @@ def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 
 def is_communication(name: str) -> bool:
     return "nccl" in name.lower()
+
+
+def host_waits(events: list[dict], phase_at) -> list[tuple[float, int, str]]:
+    """(total µs, calls, "[phase] innermost op") of every synchronize call, grouped, largest first."""
+    ops_by_thread: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            ops_by_thread[e.get("tid")].append(e)
+    for ops in ops_by_thread.values():
+        ops.sort(key=lambda e: e["ts"])
+    starts = {tid: [e["ts"] for e in ops] for tid, ops in ops_by_thread.items()}
+    groups: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("cat") not in LAUNCH_CATEGORIES or e["name"] not in SYNC_CALLS:
+            continue
+        ops, end = ops_by_thread.get(e.get("tid"), []), e["ts"] + e["dur"]
+        # the innermost op containing the call: the latest-starting one that also ends after it
+        i = bisect.bisect_right(starts.get(e.get("tid"), []), e["ts"]) - 1
+        while i >= 0 and ops[i]["ts"] + ops[i]["dur"] < end:
+            i -= 1
+        where = (
+            re.sub(r"#\d+$", "", ops[i]["name"]) if i >= 0 else e["name"]
+        )  # ProfilerStep#5 -> ProfilerStep
+        group = groups[f"[{phase_at(e['ts'])}] {where}"]
+        group[0] += e["dur"]
+        group[1] += 1
+    return sorted(((t, n, key) for key, (t, n) in groups.items()), reverse=True)
 
 
 def summarize(events: list[dict]) -> str:
@@ -115,6 +154,13 @@ def summarize(events: list[dict]) -> str:
             f"  {name:<20} {cpu[name] / 1e3 / n:9.2f} {gpu_compute[name] / 1e3 / n:15.2f} "
             f"{gpu_comm[name] / 1e3 / n:12.2f}"
         )
+    waits = host_waits(events, phase_at)
+    lines += ["", "host waits for the GPU (synchronize calls, by phase and the op that made them), per step:"]
+    lines += [
+        f"  {t / 1e3 / n:8.2f} ms  {calls / n:5.1f} calls  {where[:90]}" for t, calls, where in waits[:10]
+    ]
+    if not waits:
+        lines.append("  none")
     gaps = []
     for before, after in zip(busy, busy[1:], strict=False):
         if after[0] - before[1] >= MIN_GAP_US:

@@ -78,6 +78,92 @@ def test_timeline_splits_compute_communication_and_idle():
         if line.startswith("  ") and len(line.split()) == 4
     }
     assert rows["forward_backward"][1:] == ["4.00", "3.00"] and rows["optimizer"][1:] == ["2.00", "0.00"]
+    assert (
+        "host waits for the GPU" in text
+        and text.split("host waits for the GPU")[1].split("\n")[1] == "  none"
+    )
+
+
+def test_timeline_names_where_the_host_waited():
+    """A pageable host-to-device copy (stream synchronize inside aten::copy_, in the agree phase) and
+    an `.item()` in the forward, on two steps: grouped by phase and innermost op, largest first."""
+    events = [kernel("gemm", 0, 20_000, 1)]
+    for step, t0 in ((5, 0), (6, 10_000)):
+        events += [
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": f"ProfilerStep#{step}",
+                "ts": t0,
+                "dur": 10_000,
+                "tid": 1,
+            },
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": "muonrun.forward_backward",
+                "ts": t0,
+                "dur": 4_000,
+                "tid": 1,
+            },
+            {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": t0 + 100, "dur": 600, "tid": 1},
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::_local_scalar_dense",
+                "ts": t0 + 110,
+                "dur": 500,
+                "tid": 1,
+            },
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaStreamSynchronize",
+                "ts": t0 + 120,
+                "dur": 400,
+                "tid": 1,
+            },
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": "muonrun.agree",
+                "ts": t0 + 5_000,
+                "dur": 3_000,
+                "tid": 1,
+            },
+            {"ph": "X", "cat": "cpu_op", "name": "aten::to", "ts": t0 + 5_010, "dur": 2_900, "tid": 1},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": t0 + 5_020, "dur": 2_800, "tid": 1},
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaMemcpyAsync",
+                "ts": t0 + 5_030,
+                "dur": 10,
+                "tid": 1,
+            },
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaStreamSynchronize",
+                "ts": t0 + 5_050,
+                "dur": 2_700,
+                "tid": 1,
+            },
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaEventSynchronize",
+                "ts": t0 + 9_000,
+                "dur": 5,
+                "tid": 1,
+            },
+        ]
+    waits = summarize(events).split("host waits for the GPU")[1].splitlines()[1:4]
+    assert [" ".join(line.split()) for line in waits] == [
+        "2.70 ms 1.0 calls [agree] aten::copy_",
+        "0.40 ms 1.0 calls [forward_backward] aten::_local_scalar_dense",
+        "0.01 ms 1.0 calls [other] ProfilerStep",
+    ]
 
 
 def test_other_ranks_write_nothing(tmp_path):
