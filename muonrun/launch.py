@@ -199,9 +199,8 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
             return USER_ERROR_EXIT  # the worker already printed the one-paragraph message
         rank, failure = e.get_first_failure()
         if failure.exitcode == NON_FINITE_EXIT:
-            return (
-                NON_FINITE_EXIT  # NaN/inf: every rank stopped, nothing of it saved; rank 0 printed the step
-            )
+            # NaN/inf: every rank stopped, nothing of it saved; rank 0 printed the step
+            return NON_FINITE_EXIT
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         print(
             f"muonrun: worker rank {rank} failed (exit code {failure.exitcode}).\n{message}", file=sys.stderr

@@ -90,9 +90,8 @@ def host_waits(events: list[dict], phase_at) -> list[tuple[float, int, str]]:
         i = bisect.bisect_right(starts.get(e.get("tid"), []), e["ts"]) - 1
         while i >= 0 and ops[i]["ts"] + ops[i]["dur"] < end:
             i -= 1
-        where = (
-            re.sub(r"#\d+$", "", ops[i]["name"]) if i >= 0 else e["name"]
-        )  # ProfilerStep#5 -> ProfilerStep
+        # ProfilerStep#5, #6, ... are one place: drop the step number
+        where = re.sub(r"#\d+$", "", ops[i]["name"]) if i >= 0 else e["name"]
         group = groups[f"[{phase_at(e['ts'])}] {where}"]
         group[0] += e["dur"]
         group[1] += 1

@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 
 from muonrun.config import Config, DataConfig, SourceConfig, TrainConfig
-from muonrun.data import build_tokenizer
-from muonrun.data.loader import _streaming_loader, _weights, named_sources
+from muonrun.data import build_loader, build_tokenizer
 from muonrun.data.tokenizer import HFTokenizer
 
 
@@ -41,8 +40,9 @@ def train_bpe(path: str, docs: int = 300) -> HFTokenizer:
 
 
 def measure(cfg: Config, tok, lookahead: bool, tokens_per_s: float, batches: int) -> dict:
-    sources = named_sources(cfg, "train")
-    loader = _streaming_loader(cfg, tok, sources, _weights(sources), 0, 1, 0, False, lookahead)
+    loader = build_loader(cfg, tok)  # the training loader, as the trainer builds it
+    for packer in loader.packers:  # before the first block is read: "off" is the old behaviour
+        packer.lookahead = lookahead
     waits = []
     for _ in range(batches):
         start = time.perf_counter()

@@ -284,7 +284,7 @@ def test_streaming_resume_is_exact(corpus, dp, tmp_path):
     assert_each_rank_resumes(cfg, tok, states, expect)
 
 
-def test_streaming_tokenizes_the_next_block_ahead_on_a_thread(corpus, tmp_path):
+def test_streaming_tokenizes_the_next_block_ahead_on_a_thread(corpus):
     """Training reads and tokenizes block k+1 in the background while block k is served; evaluation
     does not read ahead; rewinding a loader that is reading ahead replays exactly."""
     _, path = corpus
