@@ -7,12 +7,10 @@ backward pass every step, and then the next forward's launch overhead could neve
 work (measured on Qwen2-0.5B: the forward was ~60% idle GPU). So the MAX all-reduce and its copy to
 pinned host memory are queued at step N and read at step N+1, when the GPU finished them long ago.
 
-Known, measured, left as is: `launch` puts this rank's two flags on the GPU with `torch.tensor(...,
-device=...)`, a copy from pageable memory that synchronizes the stream, so the host still waits once
-per step for the queued forward/backward (0.5B profile: ~94 ms per step in the `agree` phase). A
-non-blocking copy (pinned buffer) removed that wait but measured -15% tokens/s at micro-batch 8 and
-+1.8% at 16 in one A/B (docs/benchmarks.md, run 15; maybe machine drift): not adopted until a
-repeated A/B and a profile decide.
+This rank's two host flags reach the GPU as fill kernels (`to_device`), not as a pageable copy,
+which would make the host wait for the queued forward/backward every step after all (until run 16
+it did: 94 ms per step on the 0.5B preset). `train.sync_each_step=true` brings that wait back, on
+purpose: it measured faster for 7B Muon (docs/benchmarks.md, run 16).
 
 The price: a NaN at step N is seen before step N+1's update, after step N's update was applied in
 memory. Nothing bad is ever saved: a checkpoint first settles its own step's agreement (`settle`).
@@ -24,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from muonrun.distributed import HostCopy, all_reduce_max
+from muonrun.distributed import HostCopy, all_reduce_max, to_device
 
 
 @dataclass
@@ -41,7 +39,8 @@ class Agreed:
 
 
 class StepAgreement:
-    def __init__(self):
+    def __init__(self, sync: bool = False):
+        self.sync = sync  # train.sync_each_step
         self._pending: tuple | None = None
 
     def launch(
@@ -51,7 +50,7 @@ class StepAgreement:
         local = torch.cat(
             [
                 torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm).to(loss.device)]).float(),
-                torch.tensor(local_flags, dtype=torch.float32, device=loss.device),  # one host-to-device copy
+                to_device(local_flags, loss.device, self.sync),
             ]
         )
         self._pending = (step, HostCopy(all_reduce_max(local)), loss, grad_norm)

@@ -97,6 +97,15 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def to_device(values: list[float], device: torch.device, sync: bool = False) -> torch.Tensor:
+    """A few host numbers as a float32 tensor on `device`. By default with no host-to-device copy (each
+    value is a fill kernel's argument), so the host does not wait; `sync=True` copies from pageable
+    memory, which makes the host wait for all GPU work queued so far (train.sync_each_step)."""
+    if sync:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    return torch.stack([torch.full((), v, dtype=torch.float32, device=device) for v in values])
+
+
 class HostCopy:
     """A small device tensor copied to pinned host memory without waiting: `.values()` blocks only
     until that copy is done, which one step later it long is (muonrun/agreement.py, metrics.py)."""

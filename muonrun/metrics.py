@@ -25,7 +25,7 @@ import torch
 
 from muonrun.config import Config
 from muonrun.console import make_view
-from muonrun.distributed import Dist, HostCopy, all_reduce_max, all_reduce_mean
+from muonrun.distributed import Dist, HostCopy, all_reduce_max, all_reduce_mean, to_device
 from muonrun.errors import UserError
 
 # Dense (no sparsity) peak TFLOP/s per device from the vendors' datasheets: bf16 tensor cores, tf32 (fp32
@@ -413,7 +413,9 @@ class Metrics:
             torch.stack([self._loss_sum / self._window_steps, grad_norm.detach().float().to(device)])
         )
         worst = all_reduce_max(
-            torch.tensor([self._window_wait, peak_memory_gib(self.dist.device)], device=device)
+            to_device(
+                [self._window_wait, peak_memory_gib(self.dist.device)], device, self.cfg.train.sync_each_step
+            )
         )
         reduced = HostCopy(torch.cat([mean, worst]))
         steps = self._window_steps

@@ -53,6 +53,31 @@ def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
     return hf
 
 
+# SDPA registered under a second name, which transformers builds no attention masks for. Our batches
+# have no padding, no cache and no position ids, so for plain causal attention transformers' mask
+# builder returns None anyway (SDPA then runs with is_causal=True), but first it checks the position
+# ids for packed sequences with a Python bool: a host sync at the start of every forward.
+MASK_FREE_SDPA = "muonrun_causal_sdpa"
+
+
+def only_full_causal_attention(hf_config) -> bool:
+    """True when every layer attends to all earlier tokens: no sliding window or chunked attention."""
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    limits = (getattr(hf_config, k, None) for k in ("sliding_window", "attention_chunk_size"))
+    return all(t == "full_attention" for t in layer_types) and all(v is None for v in limits)
+
+
+def attention_kernel(m: ModelConfig, hf_config) -> str:
+    """`model.attn_implementation`, as the mask-free SDPA where that computes the same attention."""
+    if m.attn_implementation != "sdpa" or not only_full_causal_attention(hf_config):
+        return m.attn_implementation
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(MASK_FREE_SDPA, sdpa_attention_forward)
+    return MASK_FREE_SDPA
+
+
 def build_model(m: ModelConfig, hf_config) -> nn.Module:
     """The causal LM on the meta device (no memory is used until `init_weights`)."""
     from transformers import AutoModelForCausalLM
@@ -60,7 +85,7 @@ def build_model(m: ModelConfig, hf_config) -> nn.Module:
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(
-                hf_config, attn_implementation=m.attn_implementation, dtype=torch.float32
+                hf_config, attn_implementation=attention_kernel(m, hf_config), dtype=torch.float32
             )
         except (ValueError, ImportError) as e:
             raise UserError(

@@ -105,7 +105,7 @@ class Trainer:
             else None
         )
         self.state = TrainState()
-        self.agreement = StepAgreement()
+        self.agreement = StepAgreement(cfg.train.sync_each_step)
         self.optimizer_time: Callable[[], float] | None = None
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
         self.checkpointer = Checkpointer(cfg, self.dist)
@@ -154,7 +154,7 @@ class Trainer:
                 grad_norm = grad_norm.full_tensor()
         # One collective per step, agreed by every rank (muonrun/agreement.py): non-finite loss/grad
         # (the loss is per rank) so all stop together, plus the checkpointer's stop/async-write flags.
-        # Queued now, read at the next step (the flags' host-to-device copy still syncs: agreement.py).
+        # Queued now, read at the next step: the host does not wait here (unless train.sync_each_step).
         with phase("agree"):
             previous = self.agreement.settle()
             self.agreement.launch(self.state.step + 1, loss_sum, grad_norm, self.checkpointer.local_flags())

@@ -17,8 +17,9 @@ from muonrun.agreement import StepAgreement
         (2.0, 1.0, [0.0, 0.0], (False, False, False, False)),
     ],
 )
-def test_settle_returns_what_was_launched_once(loss, grad_norm, flags, expected):
-    agreement = StepAgreement()
+@pytest.mark.parametrize("sync", [False, True])
+def test_settle_returns_what_was_launched_once(loss, grad_norm, flags, expected, sync):
+    agreement = StepAgreement(sync)
     assert agreement.settle() is None
     agreement.launch(7, torch.tensor(loss), torch.tensor(grad_norm), flags)
     agreed = agreement.settle()

@@ -1,0 +1,98 @@
+"""The model as built for training: the attention kernel chosen per config, and (on a GPU) whole
+training steps that never make the host wait for the GPU."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from muonrun.config import ModelConfig, load_config, to_object
+from muonrun.model import MASK_FREE_SDPA, build_hf_config, build_model, init_weights
+
+TINY_QWEN2 = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def built(architecture: str, attn: str = "sdpa", **hf):
+    m = ModelConfig(architecture=architecture, hf={**TINY_QWEN2, **hf}, attn_implementation=attn)
+    hf_config = build_hf_config(m)
+    model = build_model(m, hf_config).to_empty(device="cpu")
+    init_weights(model, 0.02, seed=1, device=torch.device("cpu"))
+    return model, hf_config
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_mask_free_sdpa_is_causal_attention_without_the_packed_sequence_check(architecture):
+    model, hf_config = built(architecture)
+    assert hf_config._attn_implementation == MASK_FREE_SDPA
+    # The reference builds its causal mask explicitly (eager), so a non-causal result would differ.
+    reference, _ = built(architecture, attn="eager")
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    import transformers.masking_utils as masking
+
+    # This check turns a GPU tensor into a Python bool (a host sync) at every forward.
+    with mock.patch.object(masking, "find_packed_sequence_indices", side_effect=AssertionError("called")):
+        got = model(input_ids=ids, use_cache=False).logits
+    want = reference(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "architecture, attn, hf",
+    [
+        ("qwen2", "eager", {}),  # eager needs the mask: None would mean no causality at all
+        ("qwen2", "sdpa", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+        ("mistral", "sdpa", {"sliding_window": 8}),
+    ],
+)
+def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architecture, attn, hf):
+    _, hf_config = built(architecture, attn, **hf)
+    assert hf_config._attn_implementation == attn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer, sync", [("adamw", False), ("muon", False), ("adamw", True)])
+def test_training_steps_never_wait_for_the_gpu(tmp_path, optimizer, sync):
+    """Any host sync (a pageable copy, .item(), a bool of a GPU tensor) raises in sync-debug mode;
+    train.sync_each_step=true must bring exactly that wait back."""
+    from muonrun.distributed import destroy
+    from muonrun.trainer import Trainer
+
+    overrides = [f"output_dir={tmp_path}", "train.device=cuda", f"optimizer.name={optimizer}"]
+    overrides += [f"train.sync_each_step={str(sync).lower()}"]
+    overrides += ["train.eval_interval=0", "checkpoint.interval=0", "logging.console=plain"]
+    trainer = Trainer(to_object(load_config("tiny", overrides)))
+
+    def step(log: bool) -> None:
+        loss, grad_norm, wait = trainer.train_step()
+        trainer.state.step += 1
+        trainer.metrics.record(trainer.state, loss, grad_norm, 1.0, wait, trainer.optimizers, log=log)
+
+    try:
+        trainer.metrics.start(trainer.state)
+        for _ in range(2):  # first launches of each kernel (lazy module loading) and Muon's plan check sync
+            step(log=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                torch.tensor([1.0], device="cuda")  # the detector works
+            if sync:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    step(log=False)
+            else:
+                for log in (False, True, False, True):
+                    step(log)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        trainer.close()
+        destroy()
