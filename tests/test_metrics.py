@@ -373,7 +373,8 @@ def test_wandb_missing_warns(tmp_path, dist1, monkeypatch):
 
 @pytest.mark.slow
 def test_pretrain_run_writes_metrics(tmp_path):
-    """The one real run here: 1 in-process worker, 3 steps of a smaller tiny model, stdout not a terminal."""
+    """The one real run here: 1 in-process worker with Muon (+ AdamW for the rest), 3 steps of a smaller
+    tiny model, stdout not a terminal."""
     import os
     import subprocess
     import sys
@@ -388,6 +389,7 @@ def test_pretrain_run_writes_metrics(tmp_path):
         "data.seq_len=64",
         "train.micro_batch_size=2",
         "train.max_steps=3",
+        "optimizer.name=muon",
         "train.eval_interval=3",
         "train.eval_steps=1",
         "logging.log_interval=1",
@@ -405,7 +407,7 @@ def test_pretrain_run_writes_metrics(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = read_rows(to_object(load_config("tiny", args)))
     start, train, evals = rows[0], [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
-    assert start["event"] == "start" and start["name"] == "e2e" and start["optimizer"] == "adamw"
+    assert start["event"] == "start" and start["name"] == "e2e" and start["optimizer"] == "muon"
     assert start["flops_per_token"] > 0 and start["peak_tflops"] == 1.0 and start["git_sha"] != ""
     assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:
@@ -414,7 +416,9 @@ def test_pretrain_run_writes_metrics(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(2 * 64 / r["step_time"])
         assert r["mfu"] == pytest.approx(r["tokens_per_s_per_device"] * start["flops_per_token"] / 1e12)
         assert r["data_wait_time"] >= 0 and r["peak_mem_gib"] > 0
+        assert r["lr_muon"] > 0 and r["lr_adamw"] > 0  # each optimizer's own learning rate
     assert train[-1]["loss"] < train[0]["loss"]
+    assert not (out / "checkpoints").exists()  # checkpoint.save_at_end=false
     assert len(evals) == 1 and evals[0]["eval_ppl"] == pytest.approx(
         math.exp(evals[0]["eval_loss"]), rel=1e-5
     )
