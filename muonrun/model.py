@@ -67,15 +67,19 @@ def only_full_causal_attention(hf_config) -> bool:
     return all(t == "full_attention" for t in layer_types) and all(v is None for v in limits)
 
 
-def attention_kernel(m: ModelConfig, hf_config) -> str:
-    """`model.attn_implementation`, as the mask-free SDPA where that computes the same attention."""
-    if m.attn_implementation != "sdpa" or not only_full_causal_attention(hf_config):
-        return m.attn_implementation
+def use_mask_free_sdpa(model: nn.Module, m: ModelConfig) -> None:
+    """Switch a model built with sdpa to MASK_FREE_SDPA where that computes the same attention: only
+    full causal attention, and a model that takes its kernel from transformers' AttentionInterface
+    (others keep their own attention code and masks)."""
+    if m.attn_implementation != "sdpa" or not only_full_causal_attention(model.config):
+        return
+    if not getattr(model, "_can_set_attn_implementation", lambda: False)():
+        return
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     AttentionInterface.register(MASK_FREE_SDPA, sdpa_attention_forward)
-    return MASK_FREE_SDPA
+    model.set_attn_implementation(MASK_FREE_SDPA)
 
 
 def build_model(m: ModelConfig, hf_config) -> nn.Module:
@@ -85,12 +89,13 @@ def build_model(m: ModelConfig, hf_config) -> nn.Module:
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(
-                hf_config, attn_implementation=attention_kernel(m, hf_config), dtype=torch.float32
+                hf_config, attn_implementation=m.attn_implementation, dtype=torch.float32
             )
         except (ValueError, ImportError) as e:
             raise UserError(
                 f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}"
             ) from None
+    use_mask_free_sdpa(model, m)
     return model
 
 

@@ -25,15 +25,16 @@ def built(architecture: str, attn: str = "sdpa", **hf):
     hf_config = build_hf_config(m)
     model = build_model(m, hf_config).to_empty(device="cpu")
     init_weights(model, 0.02, seed=1, device=torch.device("cpu"))
-    return model, hf_config
+    return model
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
 def test_mask_free_sdpa_is_causal_attention_without_the_packed_sequence_check(architecture):
-    model, hf_config = built(architecture)
-    assert hf_config._attn_implementation == MASK_FREE_SDPA
+    model = built(architecture)
+    assert model.config._attn_implementation == MASK_FREE_SDPA
+    assert all(layer.self_attn.config._attn_implementation == MASK_FREE_SDPA for layer in model.model.layers)
     # The reference builds its causal mask explicitly (eager), so a non-causal result would differ.
-    reference, _ = built(architecture, attn="eager")
+    reference = built(architecture, attn="eager")
     reference.load_state_dict(model.state_dict())
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
     import transformers.masking_utils as masking
@@ -54,8 +55,7 @@ def test_mask_free_sdpa_is_causal_attention_without_the_packed_sequence_check(ar
     ],
 )
 def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architecture, attn, hf):
-    _, hf_config = built(architecture, attn, **hf)
-    assert hf_config._attn_implementation == attn
+    assert built(architecture, attn, **hf).config._attn_implementation == attn
 
 
 @pytest.mark.gpu
