@@ -37,6 +37,8 @@ REPORTED = (
     "optimizer_step_time",
     "data_wait_time",
     "peak_mem_gib",
+    "peak_reserved_gib",
+    "alloc_retries",
 )
 
 
@@ -56,6 +58,9 @@ def summarize(rows: list[dict], warmup: int) -> dict:
     for key in REPORTED:
         values = [r[key] for r in steady if r.get(key) is not None]
         summary[key] = statistics.median(values) if values else None
+    if summary["alloc_retries"] is not None:  # cumulative: count only the measured steps' retries
+        before = [r["alloc_retries"] for r in rows if "loss" in r and r["step"] <= warmup]
+        summary["alloc_retries"] = steady[-1]["alloc_retries"] - (before[-1] if before else 0)
     return summary
 
 
@@ -126,7 +131,7 @@ def print_results(results: dict) -> None:
     repeated = any("tokens_per_s_per_device_range" in r for r in results.values())
     table = Table(title="muonrun bench (medians after warm-up" + (", over repeats)" if repeated else ")"))
     cols = ["variant", "tokens/s/dev"] + (["range"] if repeated else [])
-    for col in cols + ["MFU", "step ms", "optim ms", "data wait ms", "peak GiB", "loss"]:
+    for col in cols + ["MFU", "step ms", "optim ms", "data wait ms", "peak GiB", "retries", "loss"]:
         table.add_column(col, justify="right")
 
     def fmt(v, scale=1.0, spec=",.0f"):
@@ -134,7 +139,7 @@ def print_results(results: dict) -> None:
 
     for name, r in results.items():
         if "error" in r:
-            table.add_row(name, r["error"], *["-"] * (len(cols) + 4))
+            table.add_row(name, r["error"], *["-"] * (len(cols) + 5))
             continue
         lo_hi = r.get("tokens_per_s_per_device_range")
         table.add_row(
@@ -146,6 +151,7 @@ def print_results(results: dict) -> None:
             fmt(r["optimizer_step_time"], 1000, ".1f"),
             fmt(r["data_wait_time"], 1000, ".2f"),
             fmt(r["peak_mem_gib"], 1, ".1f"),
+            fmt(r.get("alloc_retries")),
             fmt(r["final_loss"], 1, ".3f"),
         )
     print_table(table)

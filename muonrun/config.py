@@ -203,9 +203,10 @@ class TrainConfig:
     sync_each_step: bool = False
     """Make the host wait for the GPU once per step (where this rank's flags go to the GPU, and again
     on logged steps). Off: nothing in the step waits, so the host runs up to a step ahead and hides its
-    launch overhead behind GPU work: +11.6% tokens/s on the Qwen2-0.5B preset (2 x H200). But true
-    measured 8% faster on the Qwen2-7B architecture with Muon (cause not found; docs/benchmarks.md,
-    run 16): set it there."""
+    launch overhead behind GPU work: +11.6% tokens/s on the Qwen2-0.5B preset with AdamW, +6.5% with
+    Muon (2 x H200). But with Muon, true measured 4% faster at 1.5B and 8% at the 7B architecture: set
+    it there (cause not found: an explicit synchronize at the same places is not faster;
+    docs/benchmarks.md, runs 16-17)."""
 
 
 @dataclass

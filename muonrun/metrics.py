@@ -127,11 +127,19 @@ def git_sha(*folders: Path | str) -> str | None:
     return None
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory since start: allocated by torch on a GPU, the process's peak resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+def memory_numbers(device: torch.device) -> dict[str, float]:
+    """Peak memory since start: allocated by torch on a GPU, the process's peak resident set on CPU.
+    On a GPU also the caching allocator's peak reservation and its cumulative retries: a retry frees
+    every cached block and synchronizes the device, so a count that grows step after step means the
+    allocator is thrashing: memory is nearly full."""
+    if device.type != "cuda":
+        return {"peak_mem_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # Linux: KiB
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "peak_mem_gib": stats.get("allocated_bytes.all.peak", 0) / 2**30,
+        "peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+    }
 
 
 def _numbers(row: dict) -> dict[str, float]:
@@ -412,10 +420,9 @@ class Metrics:
         mean = all_reduce_mean(
             torch.stack([self._loss_sum / self._window_steps, grad_norm.detach().float().to(device)])
         )
+        memory = memory_numbers(self.dist.device)
         worst = all_reduce_max(
-            to_device(
-                [self._window_wait, peak_memory_gib(self.dist.device)], device, self.cfg.train.sync_each_step
-            )
+            to_device([self._window_wait, *memory.values()], device, self.cfg.train.sync_each_step)
         )
         reduced = HostCopy(torch.cat([mean, worst]))
         steps = self._window_steps
@@ -443,17 +450,24 @@ class Metrics:
         eta = None
         if done_steps := state.step - self._start_step:
             eta = (self.cfg.train.max_steps - state.step) * (now - self._t0) / done_steps
-        self._pending = (row, reduced, timings, steps, eta)
+        self._pending = (row, reduced, list(memory), timings, steps, eta)
         self._reset_window()
 
     def _flush(self) -> None:
         """Write the row queued by the last logged step (its reductions finished long ago)."""
         if self._pending is None:
             return
-        row, reduced, timings, steps, eta = self._pending
+        row, reduced, memory_keys, timings, steps, eta = self._pending
         self._pending = None
-        loss, grad_norm, wait, peak_mem = reduced.values()
-        row.update(loss=loss, grad_norm=grad_norm, data_wait_time=wait / steps, peak_mem_gib=peak_mem)
+        loss, grad_norm, wait, *memory = reduced.values()
+        row.update(
+            loss=loss,
+            grad_norm=grad_norm,
+            data_wait_time=wait / steps,
+            **dict(zip(memory_keys, memory, strict=True)),
+        )
+        if "alloc_retries" in row:
+            row["alloc_retries"] = int(row["alloc_retries"])
         if timings:
             row["optimizer_step_time"] = sum(t() for t in timings) / len(timings)
         self._write(row)

@@ -28,8 +28,18 @@ def test_summarize_drops_warmup_and_takes_medians():
         0.25
     )  # median of 0.3, 0.1, 0.2, 0.5: the 9 s warm-up step is gone
     assert out["mfu"] is None and out["optimizer_step_time"] is None
+    assert out["alloc_retries"] is None  # CPU rows have no allocator
     with pytest.raises(UserError, match="warm-up"):
         summarize(rows, warmup=5)
+
+
+def test_summarize_counts_allocator_retries_of_the_measured_steps_only():
+    rows = [
+        {"step": s, "loss": 1.0, "step_time": 0.1, "tokens_per_s_per_device": 1.0, "alloc_retries": n}
+        for s, n in [(1, 4), (2, 4), (3, 6), (4, 9)]
+    ]
+    assert summarize(rows, warmup=2)["alloc_retries"] == 5  # 9 at the end, 4 when the warm-up ended
+    assert summarize(rows, warmup=0)["alloc_retries"] == 9
 
 
 def test_repeats_run_round_robin_and_report_median_and_range(tmp_path, monkeypatch):
@@ -75,7 +85,7 @@ def test_results_table_keeps_whole_names_in_a_log_file(capsys):
         "step_time": 1.5966,
         "optimizer_step_time": 0.0366,
     }
-    row |= {"data_wait_time": 0.00061, "peak_mem_gib": 87.0, "final_loss": 6.077}
+    row |= {"data_wait_time": 0.00061, "peak_mem_gib": 87.0, "alloc_retries": 5321, "final_loss": 6.077}
     results = {
         "adamw-selective-mb8-keep-gathered": {**row, "tokens_per_s_per_device_range": [10001.0, 10511.0]},
         "muon-selective-mb8-keep-gathered": {"error": "exit code 1"},
@@ -83,5 +93,5 @@ def test_results_table_keeps_whole_names_in_a_log_file(capsys):
     print_results(results)
     out = capsys.readouterr().out
     assert "adamw-selective-mb8-keep-gathered" in out and "muon-selective-mb8-keep-gathered" in out
-    assert "10,001-10,511" in out and "45.3%" in out and "exit code 1" in out
+    assert "10,001-10,511" in out and "45.3%" in out and "5,321" in out and "exit code 1" in out
     assert "…" not in out
