@@ -15,6 +15,7 @@ import torch
 from muonrun import faults
 from muonrun.agreement import Agreed, StepAgreement
 from muonrun.checkpoint import Checkpointer
+from muonrun.clip import clip_grad_norm
 from muonrun.config import Config
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
@@ -147,11 +148,8 @@ class Trainer:
                 loss.backward()
                 loss_sum += loss.detach()
         with phase("clip"):
-            params = [p for p in self.model.parameters() if p.grad is not None]
             clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+            grad_norm = clip_grad_norm(self.model.parameters(), clip)
         # One collective per step, agreed by every rank (muonrun/agreement.py): non-finite loss/grad
         # (the loss is per rank) so all stop together, plus the checkpointer's stop/async-write flags.
         # Queued now, read at the next step: the host does not wait here (unless train.sync_each_step).

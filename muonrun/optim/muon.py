@@ -237,7 +237,7 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> floa
 # --------------------------------------------------------------------------------------------------
 
 
-def _local(t: Tensor) -> Tensor:
+def local_tensor(t: Tensor) -> Tensor:
     """The local tensor of a DTensor (a view sharing storage), or the tensor itself."""
     if DTensor is not None and isinstance(t, DTensor):
         return t._local_tensor
@@ -465,10 +465,10 @@ class Muon(torch.optim.Optimizer):
             ns = (per_step, float(group["eps"]), norm_scale)
             key = (id(info.group), ns)
             if key not in partitions:
-                partitions[key] = _Partition(info, ns, _local(p).device)
+                partitions[key] = _Partition(info, ns, local_tensor(p).device)
                 shape_order[key] = {}
             rows, cols = p.shape
-            local = _local(p)
+            local = local_tensor(p)
             if info.world > 1:
                 n_local = _local_rows(rows, info.world, info.rank)
                 if local.shape[0] != n_local or local.shape[1] != cols:
@@ -639,8 +639,8 @@ class Muon(torch.optim.Optimizer):
                 grad = it.param.grad
                 if grad.is_sparse:
                     raise RuntimeError("Muon does not support sparse gradients")
-                bufs.append(_local(self._momentum_buffer(it.param)))
-                grads.append(_local(grad))
+                bufs.append(local_tensor(self._momentum_buffer(it.param)))
+                grads.append(local_tensor(grad))
                 dsts.append(
                     send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
                 )
@@ -688,10 +688,10 @@ class Muon(torch.optim.Optimizer):
             lr, wd = hyper[gi][0], hyper[gi][1]
             factor = 1 - lr * wd
             if factor != 1.0:
-                torch._foreach_mul_([_local(it.param) for it in items], factor)
+                torch._foreach_mul_([local_tensor(it.param) for it in items], factor)
         for gi, rows, cols, items in bucket.by_update:
             lr, fn = hyper[gi][0], hyper[gi][4]
-            ps = [_local(it.param) for it in items]
+            ps = [local_tensor(it.param) for it in items]
             us = [
                 result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
                 for it in items

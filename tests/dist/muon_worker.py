@@ -1,4 +1,5 @@
-"""Distributed Muon checks, run by tests/test_muon.py under torch.distributed.run (gloo, CPU).
+"""Distributed Muon (and gradient clipping) checks, run by tests/test_muon.py under
+torch.distributed.run (gloo, CPU).
 
 usage: muon_worker.py CHECKPOINT_DIR
 
@@ -28,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from muonrun.clip import clip_grad_norm
 from muonrun.optim.muon import Muon
 
 # (out_features, in_features): parameter shape is (out, in). Includes repeated shapes (several
@@ -261,12 +263,34 @@ def check_dcp(mesh, tag: str, ckpt_dir: str) -> None:
     log(mesh, f"{tag} dcp save/load/resume: bitwise equal")
 
 
+def check_clip(mesh, tag: str) -> None:
+    """muonrun.clip on FSDP2 (or HSDP) shards, uneven and empty ones included, against torch's
+    clip_grad_norm_ on the full gradients: the same norm on every rank and the same clipped rows."""
+    model = make_model(3)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    for max_norm in (1.0, 1e9, float("inf")):  # clips, does not clip, only measures
+        grads = full_grads(0, 5)
+        set_sharded_grads(params, grads)
+        ref = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for q, g in zip(ref, grads, strict=True):
+            q.grad = g.clone()
+        expected = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+        norm = clip_grad_norm(params, max_norm)
+        assert not isinstance(norm, DTensor) and expected > 1.0, (norm, expected)
+        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+        for p, q in zip(params, ref, strict=True):
+            torch.testing.assert_close(p.grad._local_tensor, local_part(q.grad, p), rtol=1e-6, atol=0)
+    log(mesh, f"{tag} clip: norms and clipped shards match torch")
+
+
 def suite(mesh, ckpt_dir: str) -> None:
     tag = f"fsdp shard group of {mesh.size()}"
     check_equivalence(mesh, tag)
     check_fsdp_backward(mesh, tag)
     check_torch_muon_uneven(mesh, tag)
     check_dcp(mesh, tag, ckpt_dir)
+    check_clip(mesh, tag)
 
 
 def main() -> None:
@@ -287,6 +311,7 @@ def main() -> None:
     if world == 4:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
         check_equivalence(mesh2d, "hsdp 2x2", ALL_COMBOS[::3])
+        check_clip(mesh2d, "hsdp 2x2")
 
     dist.barrier()
     log(None, "MUON_WORKER_OK")
