@@ -55,13 +55,13 @@ def activation_gib(hf, c, param_bytes: int) -> float:
     return (layer_bytes + head_bytes) / GIB
 
 
-def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int) -> float:
+def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = False) -> float:
     """Muon's Newton–Schulz FLOPs per rank and optimizer step: every matrix is orthogonalized once in
     each shard group, so the work is split over dp_shard ranks; a matrix is never split, so the
     busiest rank does at least the largest one."""
     from muonrun.optim.muon import newton_schulz_flops
 
-    flops = [newton_schulz_flops(shape, steps) for shape in shapes]
+    flops = [newton_schulz_flops(shape, steps, gram) for shape in shapes]
     return max(sum(flops) / dp_shard, max(flops, default=0))
 
 
@@ -100,7 +100,9 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
         "total_tokens": tokens_per_step * c.train.max_steps,
         "model_flops_per_rank_step": fpt * tokens_per_step / world,
         "ns_flops_per_rank_step": (
-            ns_flops_per_rank([p.shape for _, p in split.muon], c.optimizer.muon.ns_steps, shard)
+            ns_flops_per_rank(
+                [p.shape for _, p in split.muon], c.optimizer.muon.ns_steps, shard, c.optimizer.muon.gram_ns
+            )
             if c.optimizer.name == "muon"
             else 0
         ),

@@ -1,4 +1,4 @@
-"""Is Gram Newton–Schulz usable in bf16? A CPU numerics check for a cheaper Muon (not implemented).
+"""Is Gram Newton–Schulz usable in bf16? The CPU numerics check behind Muon's `gram=True`.
 
 For a wide m x n matrix (m <= n) standard Newton–Schulz costs 4 m^2 n + 2 m^3 FLOPs per iteration.
 The Gram form iterates on the m x m matrix R = X X^T instead: P = aI + bR + cR^2, Q <- P Q,
@@ -12,7 +12,13 @@ polar factor on gradient-like matrices (power-law spectrum), without and with on
 
 import torch
 
-from muonrun.optim.muon import DEFAULT_NS_COEFFICIENTS, newton_schulz, resolve_ns_coefficients
+from muonrun.optim.muon import (
+    DEFAULT_NS_COEFFICIENTS,
+    _gram_iterate,
+    newton_schulz,
+    newton_schulz_flops,
+    resolve_ns_coefficients,
+)
 
 
 def gradient_like(m: int, n: int, seed: int) -> torch.Tensor:
@@ -22,29 +28,10 @@ def gradient_like(m: int, n: int, seed: int) -> torch.Tensor:
     return (U * torch.arange(1, m + 1, dtype=torch.float32) ** -1.0) @ V.T
 
 
-def gram_newton_schulz(G, per_step, norm_scale, restart=None):
-    X0 = G.to(torch.bfloat16)
-    X0 = X0 / (X0.float().norm() * norm_scale).to(torch.bfloat16)
-    eye = torch.eye(X0.shape[0], dtype=torch.bfloat16)
-    R, Q = X0 @ X0.T, eye.clone()
-    for k, (a, b, c) in enumerate(per_step):
-        if k == restart:
-            X0 = Q @ X0
-            R, Q = X0 @ X0.T, eye.clone()
-        P = a * eye + b * R + c * (R @ R)
-        Q, R = P @ Q, P @ R @ P
-    return Q @ X0
-
-
-def flops(m: int, n: int, steps: int = 5, restart: int | None = None) -> tuple[int, int]:
-    """(standard, Gram) matmul FLOPs, skipping the products an identity Q or a last R make useless."""
-    standard = steps * (4 * m * m * n + 2 * m**3)
-    gram = 2 * m * m * n * (2 + (restart is not None) * 2)  # R0, final Q X; restart: Q X0 and X X^T
-    for k in range(steps):
-        fresh = k == 0 or k == restart
-        last_before_restart = restart is not None and k == restart - 1
-        gram += 2 * m**3 * (1 + (not fresh) + 2 * (k < steps - 1 and not last_before_restart))
-    return standard, gram
+def gram_newton_schulz(G, per_step, norm_scale, restart):
+    X = G.to(torch.bfloat16)
+    X = X / (X.float().norm() * norm_scale).to(torch.bfloat16)
+    return _gram_iterate(X[None], per_step, restart)[0]
 
 
 def main() -> None:
@@ -68,9 +55,9 @@ def main() -> None:
                     f"{m}x{n:<6} {label:<14} {name:<15} {s.min():6.3f} {s.max():9.3f} {to_polar:12.3f} {to_std:16.3f}"
                 )
     for name, (m, n) in {"7B MLP": (3584, 18944), "1.5B MLP": (1536, 8960), "square": (3584, 3584)}.items():
-        std, gram = flops(m, n, restart=2)
+        std, gram = newton_schulz_flops((m, n)), newton_schulz_flops((m, n), gram=True)
         print(
-            f"{name}: standard {std / 1e12:.2f} TFLOP, Gram with a restart at iteration 2 {gram / 1e12:.2f} ({gram / std - 1:+.0%})"
+            f"{name}: standard {std / 1e12:.2f} TFLOP, gram=True {gram / 1e12:.2f} ({gram / std - 1:+.0%}; square: the standard form)"
         )
 
 

@@ -165,3 +165,20 @@ def test_fsdp_sharded_model_keeps_groups():
         assert split.tied_lm_head and split.names()["lm_head"] == []
     finally:
         dist.destroy_process_group()
+
+
+def test_muon_preset_settings_reach_the_optimizers():
+    """optimizer.muon.* from the config (the Muon preset plus overrides) land on the built Muon."""
+    from muonrun.config import load_config, to_object
+    from muonrun.optim import build_optimizers
+
+    cfg = to_object(
+        load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=true", "optimizer.muon.ns_steps=4"])
+    )
+    muon, adamw = build_optimizers(tiny_qwen2(tied=True), cfg.optimizer, "cpu")
+    assert type(muon).__name__ == "Muon" and isinstance(adamw, torch.optim.AdamW)
+    assert muon.gram and muon.defaults["ns_steps"] == 4 and muon.defaults["lr"] == cfg.optimizer.muon.lr
+    assert muon.defaults["nesterov"] and muon.defaults["momentum"] == 0.95
+    assert not build_optimizers(
+        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", [])).optimizer, "cpu"
+    )[0].gram

@@ -204,15 +204,65 @@ def test_newton_schulz_orthogonalizes_and_polar_express_is_tighter():
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4), (2, 7, 3)])
-def test_newton_schulz_flops_counts_what_runs(shape):
+@pytest.mark.parametrize("steps, gram", [(3, False), (3, True), (5, True), (1, True)])
+def test_newton_schulz_flops_counts_what_runs(shape, steps, gram):
     """The closed form behind the dry-run plan's Muon estimate equals the matmul FLOPs torch counts."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with counter:
-        newton_schulz(torch.randn(shape), steps=3)
-    assert counter.get_total_flops() == math.prod(shape[:-2]) * newton_schulz_flops(shape, 3)
+        newton_schulz(torch.randn(shape), steps=steps, gram=gram)
+    assert counter.get_total_flops() == math.prod(shape[:-2]) * newton_schulz_flops(shape, steps, gram)
     assert newton_schulz_flops((3, 5), 5) == 5 * (4 * 9 * 5 + 2 * 27)  # by hand
+
+
+def test_gram_newton_schulz_is_cheaper_only_where_it_is_used():
+    mlp, square = (1536, 8960), (1536, 1536)  # Qwen2-1.5B's MLP and attention matrices
+    assert newton_schulz_flops(mlp, 5, gram=True) / newton_schulz_flops(mlp, 5) == pytest.approx(
+        0.59, abs=0.01
+    )
+    assert newton_schulz_flops(square, 5, gram=True) == newton_schulz_flops(square, 5)
+    G = torch.randn(2, 24, 24)
+    assert torch.equal(newton_schulz(G, gram=True), newton_schulz(G))  # square: the standard form
+
+
+@pytest.mark.parametrize("coefficients", [DEFAULT_NS_COEFFICIENTS, "polar_express"])
+def test_gram_newton_schulz_is_the_standard_iteration_in_exact_arithmetic(coefficients):
+    """In float64 the Gram form (with its restart) and the standard iteration agree to rounding."""
+    from muonrun.optim.muon import _gram_iterate, _ns_iterate
+
+    g = torch.Generator().manual_seed(4)
+    for steps in (1, 2, 3, 5, 7):
+        per_step, _ = resolve_ns_coefficients(coefficients, steps)
+        for shape in [(3, 6, 16), (2, 20, 4), (1, 1, 9)]:  # wide, tall, a row vector
+            X = torch.randn(*shape, generator=g, dtype=torch.float64)
+            X = X / X.norm(dim=(-2, -1), keepdim=True)
+            standard = _ns_iterate(X, per_step, fold_identity=True)
+            gram = _gram_iterate(X, per_step)
+            assert (gram - standard).abs().max() < 1e-12, (steps, shape)
+            if min(shape[1:]) > 1:  # the iteration did move X (a unit row vector is already orthogonal)
+                assert (standard - X).norm() > 0.1 * X.norm(), (steps, shape)
+
+
+def test_gram_newton_schulz_in_bf16_is_as_close_to_the_polar_factor():
+    """Gradient-like matrices (power-law spectrum) with the 1.5B MLP's aspect ratio, in bf16."""
+    g = torch.Generator().manual_seed(5)
+    m, n = 96, 560
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g))
+    V, _ = torch.linalg.qr(torch.randn(n, m, generator=g))
+    G = (U * torch.arange(1, m + 1) ** -1.0) @ V.T
+    u, _, vh = torch.linalg.svd(G, full_matrices=False)
+    polar = u @ vh
+    for coefficients in (DEFAULT_NS_COEFFICIENTS, "polar_express"):
+        for M in (G, G.T):
+            standard = newton_schulz(M, coefficients=coefficients, fold_identity=True).float()
+            gram = newton_schulz(M, coefficients=coefficients, gram=True).float()
+            target = polar if M is G else polar.T
+            err_standard = (standard - target).norm() / target.norm()
+            err_gram = (gram - target).norm() / target.norm()
+            assert err_gram < 1.15 * err_standard + 0.01, (coefficients, err_gram, err_standard)
+            s = torch.linalg.svdvals(gram)
+            assert s.min() > 0.6 and s.max() < 1.4, (coefficients, s.min(), s.max())
 
 
 def test_ns_flops_per_rank_splits_matrices_but_never_one_matrix():
@@ -222,6 +272,7 @@ def test_ns_flops_per_rank_splits_matrices_but_never_one_matrix():
     assert ns_flops_per_rank(shapes, 5, 1) == 2580
     assert ns_flops_per_rank(shapes, 5, 2) == 1290
     assert ns_flops_per_rank(shapes, 5, 8) == 1170  # one whole (3, 5) matrix on some rank
+    assert ns_flops_per_rank(shapes, 5, 1, gram=True) < 2580  # (3, 5) is 1.67x wider than tall
 
 
 def test_polar_express_option_steps():

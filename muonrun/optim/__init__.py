@@ -53,6 +53,7 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         eps=m.eps,
         ns_steps=m.ns_steps,
         adjust_lr_fn=m.adjust_lr_fn,
+        gram=m.gram_ns,
     )
     adamw = _adamw(_adamw_groups(split.adamw_decay, split.adamw_no_decay, o), o, device_type)
     return [muon, adamw]

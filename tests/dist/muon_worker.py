@@ -101,11 +101,12 @@ def distribute_local(full: torch.Tensor, like: DTensor) -> DTensor:
     )
 
 
-def reference_optimizer(params, fast: bool, **kw):
-    """Unsharded reference: torch.optim.Muon, or our Muon on plain tensors for the folded (fast)
-    Newton–Schulz and for "spectral" (both checked against torch / a hand formula in test_muon.py)."""
-    if fast:
-        return Muon(params, **kw, torch_compatible_ns=False)
+def reference_optimizer(params, fast: bool, gram: bool = False, **kw):
+    """Unsharded reference: torch.optim.Muon, or our Muon on plain tensors for the folded (fast) or
+    Gram Newton–Schulz and for "spectral" (checked against torch / exact arithmetic / a hand formula
+    in test_muon.py)."""
+    if fast or gram:
+        return Muon(params, **kw, torch_compatible_ns=not fast, gram=gram)
     if kw.get("adjust_lr_fn") == "spectral":
         return Muon(params, **kw, torch_compatible_ns=True)
     return torch.optim.Muon(params, **kw)
@@ -144,10 +145,13 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         params = list(model.parameters())
         kw = dict(lr=LR, weight_decay=wd, nesterov=nesterov, adjust_lr_fn=fn)
         fast = nesterov != (wd > 0)  # half the combos with the opt-in folded Newton–Schulz
+        gram = fn in ("original", "spectral")  # half with the Gram form for the wide and tall matrices
         # mostly one big bucket, sometimes many tiny ones (exercises the async prefetch pipeline)
         bucket = 200 if ci % 4 == 1 else 1 << 26
-        opt = Muon(params, **kw, bucket_numel=bucket, prefetch=1 + ci % 3, torch_compatible_ns=not fast)
-        ref = reference_optimizer(ref_params, fast, **kw)
+        opt = Muon(
+            params, **kw, bucket_numel=bucket, prefetch=1 + ci % 3, torch_compatible_ns=not fast, gram=gram
+        )
+        ref = reference_optimizer(ref_params, fast, gram, **kw)
         for step in range(10):
             grads = full_grads(step, ci)
             set_sharded_grads(params, grads)
@@ -156,19 +160,22 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
             opt.step()
             ref.step()
             if step in (0, 9):
-                what = f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} step={step + 1}"
+                what = f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram} step={step + 1}"
                 diff = assert_close_to_reference(params, ref_params, init, what)
         # every matrix orthogonalised exactly once per step in the shard group
-        t = torch.tensor([opt.stats["orthogonalized"], opt.stats["all_to_all"]], dtype=torch.int64)
+        stats = [opt.stats["orthogonalized"], opt.stats["all_to_all"], opt.stats["gram"]]
+        t = torch.tensor(stats, dtype=torch.int64)
         dist.all_reduce(t, group=shard_group)
         assert int(t[0]) == 10 * len(SHAPES), (tag, fn, int(t[0]))
+        wide_or_tall = sum(max(s) >= 1.5 * min(s) for s in SHAPES)  # (6, 16) x 3, (20, 4), (3, 5), (1, 9)
+        assert int(t[2]) == (10 * wide_or_tall if gram else 0), (tag, fn, int(t[2]))
         # state: one momentum buffer per matrix, a DTensor with the parameter's placements
         for p in params:
             buf = opt.state[p]["momentum_buffer"]
             assert isinstance(buf, DTensor) and buf.placements == p.placements and buf.shape == p.shape
         log(
             mesh,
-            f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast}: max |diff| after 10 steps {diff:.2e}",
+            f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram}: max |diff| after 10 steps {diff:.2e}",
         )
         if mesh.size(shard_dim) > 1:  # two all-to-alls per bucket per step, several buckets when tiny
             one_bucket = 2 * 10 * mesh.size(shard_dim)
