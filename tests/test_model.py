@@ -59,14 +59,22 @@ def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architectur
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer, sync", [("adamw", False), ("muon", False), ("adamw", True)])
-def test_training_steps_never_wait_for_the_gpu(tmp_path, optimizer, sync):
+@pytest.mark.parametrize(
+    "optimizer, sync, extra",
+    [
+        ("adamw", False, []),
+        ("muon", False, []),
+        ("muon", False, ["optimizer.muon.gram_ns=true"]),
+        ("adamw", True, []),
+    ],
+)
+def test_training_steps_never_wait_for_the_gpu(tmp_path, optimizer, sync, extra):
     """Any host sync (a pageable copy, .item(), a bool of a GPU tensor) raises in sync-debug mode;
     train.sync_each_step=true must bring exactly that wait back."""
     from muonrun.distributed import destroy
     from muonrun.trainer import Trainer
 
-    overrides = [f"output_dir={tmp_path}", "train.device=cuda", f"optimizer.name={optimizer}"]
+    overrides = [f"output_dir={tmp_path}", "train.device=cuda", f"optimizer.name={optimizer}", *extra]
     overrides += [f"train.sync_each_step={str(sync).lower()}"]
     overrides += ["train.eval_interval=0", "checkpoint.interval=0", "logging.console=plain"]
     trainer = Trainer(to_object(load_config("tiny", overrides)))
@@ -93,6 +101,8 @@ def test_training_steps_never_wait_for_the_gpu(tmp_path, optimizer, sync):
                     step(log)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        if "optimizer.muon.gram_ns=true" in extra:  # the Gram form ran (tiny's MLP matrices are wide)
+            assert trainer.optimizers[0].stats["gram"] > 0
     finally:
         trainer.close()
         destroy()
