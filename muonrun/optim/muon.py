@@ -190,14 +190,22 @@ def newton_schulz(
     if scale != 1.0:
         norm = norm * scale
     X = X / norm.clamp(min=eps)  # new tensor: never writes into G
-    if gram and _uses_gram(X.shape, len(per_step)):
-        return _gram_iterate(X, per_step).reshape(G.shape)
-    return _ns_iterate(X, per_step, fold_identity).reshape(G.shape)
+    return _iterate(X, per_step, fold_identity, gram).reshape(G.shape)
 
 
-def _uses_gram(shape: Sequence[int], steps: int) -> bool:
+def _uses_gram(gram: bool, shape: Sequence[int], steps: int) -> bool:
+    """Whether ``gram=True`` takes the Gram form for this matrix shape (where it is cheaper)."""
     m, n = sorted(shape[-2:])
-    return steps > 0 and n >= GRAM_MIN_ASPECT * m
+    return gram and steps > 0 and n >= GRAM_MIN_ASPECT * m
+
+
+def _iterate(
+    X: Tensor, per_step: Sequence[tuple[float, float, float]], fold_identity: bool, gram: bool
+) -> Tensor:
+    """Newton–Schulz on a normalised stack: the Gram form where ``_uses_gram``, else the standard one."""
+    if _uses_gram(gram, X.shape, len(per_step)):
+        return _gram_iterate(X, per_step)
+    return _ns_iterate(X, per_step, fold_identity)
 
 
 def _ns_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], fold_identity: bool) -> Tensor:
@@ -261,7 +269,7 @@ def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gra
     orientation ``m x n`` (``m <= n``), ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n).
     With ``gram`` (where it applies): the products ``_gram_iterate`` makes."""
     m, n = sorted(shape[-2:])
-    if not (gram and _uses_gram(shape, steps)):
+    if not _uses_gram(gram, shape, steps):
         return steps * (4 * m * m * n + 2 * m**3)
     restart = steps > GRAM_RESTART
     flops = 2 * m * m * n * (2 + 2 * restart)  # X X^T, final Q X; restart: Q X and X X^T again
@@ -737,10 +745,7 @@ class Muon(torch.optim.Optimizer):
                 full = torch.empty(k, W * c, C, dtype=torch.bfloat16, device=recv.device)
                 torch.div(slabs.transpose(0, 1), norm.view(k, 1, 1, 1), out=full.view(k, W, c, C))
                 X = full[:, :R]
-            gram = self.gram and _uses_gram(X.shape, len(per_step))
-            out = (
-                _gram_iterate(X, per_step) if gram else _ns_iterate(X, per_step, not self.torch_compatible_ns)
-            )
+            out = _iterate(X, per_step, not self.torch_compatible_ns, self.gram)
             if W * c == R:
                 slabs.copy_(out.view(k, W, c, C).transpose(0, 1))
             else:
@@ -750,7 +755,7 @@ class Muon(torch.optim.Optimizer):
                 if rem:
                     slabs[nfull, :, :rem].copy_(out[:, nfull * c :])
             self.stats["orthogonalized"] += k
-            self.stats["gram"] += k * gram
+            self.stats["gram"] += k * _uses_gram(self.gram, X.shape, len(per_step))
 
     def _apply(self, bucket: _Bucket, result: Tensor, hyper) -> None:
         """Weight decay and the scaled update on this rank's rows."""
