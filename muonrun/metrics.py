@@ -278,8 +278,12 @@ class Metrics:
         self._pending: tuple | None = None
         self._reset_window()
 
-    def _reset_window(self) -> None:
-        self._window_start = self._last_record = time.perf_counter()
+    def _reset_window(self, start: float | None = None) -> None:
+        """A new step-time window from `start` (default now). A logged step's window ends at its `now`,
+        taken before the row's reductions are queued, and the next one starts there: whatever the host
+        spends after it (a wait for the GPU included) counts in the next step, never in none."""
+        self._last_record = time.perf_counter()
+        self._window_start = self._last_record if start is None else start
         self._window_steps = 0
         self._window_wait = 0.0
         self._window_paused = 0.0
@@ -451,7 +455,7 @@ class Metrics:
         if done_steps := state.step - self._start_step:
             eta = (self.cfg.train.max_steps - state.step) * (now - self._t0) / done_steps
         self._pending = (row, reduced, list(memory), timings, steps, eta)
-        self._reset_window()
+        self._reset_window(start=now)
 
     def _flush(self) -> None:
         """Write the row queued by the last logged step (its reductions finished long ago)."""

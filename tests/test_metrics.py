@@ -9,6 +9,7 @@ import io
 import json
 import math
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -142,6 +143,29 @@ def test_metrics_jsonl_rows(tmp_path, dist1, capsys):
     assert "mfu " in step_lines[0] and "eta " in step_lines[0]
     assert any(line.startswith("eval      4/4 eval_loss 1.5000") for line in out.splitlines())
     assert "muonrun FLOPs/token" in out and "muonrun versions" in out
+
+
+def test_step_time_counts_the_hosts_time_in_logging(tmp_path, dist1, monkeypatch):
+    """A logged step's own work after its clock read (its reductions; on a GPU any wait for the device)
+    lands in the next step's window, not in none: step times add up to the wall clock. Until run 18 it
+    fell between windows, and a wait there made tokens/s look up to 16% better than they were."""
+    spent = 0.05
+    real = metrics_mod.memory_numbers
+
+    def slow_memory_numbers(device):
+        time.sleep(spent)
+        return real(device)
+
+    monkeypatch.setattr(metrics_mod, "memory_numbers", slow_memory_numbers)
+    cfg = make_cfg(tmp_path, "logging.log_interval=1")
+    m = Metrics(cfg, dist1, flops_per_token=1000.0, model=tiny_model(cfg))
+    run_steps(m, cfg, losses=[4.0, 2.0, 3.0, 1.0], waits=[0.0] * 4, optimizers=[torch.optim.SGD([torch.zeros(2)])])
+    m.close()
+    rows = [r for r in read_rows(cfg) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for before, row in zip(rows, rows[1:], strict=False):
+        assert row["step_time"] >= spent
+        assert row["step_time"] == pytest.approx(row["elapsed_s"] - before["elapsed_s"], abs=1e-6)
 
 
 def test_metrics_without_peak_and_two_optimizers(tmp_path, dist1):
