@@ -9,8 +9,8 @@ pinned host memory are queued at step N and read at step N+1, when the GPU finis
 
 This rank's two host flags reach the GPU as fill kernels (`to_device`), not as a pageable copy,
 which would make the host wait for the queued forward/backward every step after all (until run 16
-it did: 94 ms per step on the 0.5B preset). `train.sync_each_step=true` brings that wait back, on
-purpose: it measured faster for 7B Muon (docs/benchmarks.md, run 16).
+it did: at least 94 ms per step on the 0.5B preset). A wait once per step never measured faster on
+a GPU-bound step either, once the step time counted it (docs/benchmarks.md, run 18).
 
 The price: a NaN at step N is seen before step N+1's update, after step N's update was applied in
 memory. Nothing bad is ever saved: a checkpoint first settles its own step's agreement (`settle`).
@@ -39,8 +39,7 @@ class Agreed:
 
 
 class StepAgreement:
-    def __init__(self, sync: bool = False):
-        self.sync = sync  # train.sync_each_step
+    def __init__(self):
         self._pending: tuple | None = None
 
     def launch(
@@ -50,7 +49,7 @@ class StepAgreement:
         local = torch.cat(
             [
                 torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm).to(loss.device)]).float(),
-                to_device(local_flags, loss.device, self.sync),
+                to_device(local_flags, loss.device),
             ]
         )
         self._pending = (step, HostCopy(all_reduce_max(local)), loss, grad_norm)

@@ -205,13 +205,6 @@ class TrainConfig:
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the fused LM head + cross-entropy (gradients computed chunk by chunk in
     forward), so the full fp32 logits never exist. 0: one chunk (fine for small vocabularies)."""
-    sync_each_step: bool = False
-    """Make the host wait for the GPU once per step (where this rank's flags go to the GPU, and again
-    on logged steps). Off: nothing in the step waits, so the host runs up to a step ahead and hides its
-    launch overhead behind GPU work: +11.6% tokens/s on the Qwen2-0.5B preset with AdamW, +6.5% with
-    Muon (2 x H200). But with Muon, true measured 4% faster at 1.5B and 8% at the 7B architecture: set
-    it there (cause not found: an explicit synchronize at the same places is not faster;
-    docs/benchmarks.md, runs 16-17)."""
 
 
 @dataclass
@@ -368,7 +361,16 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, bool]]:
     return parsed
 
 
+# Keys that existed once: a saved config.yaml holding one still loads (the key is dropped), and an
+# override or preset setting one is told why it went.
+RETIRED_KEYS = {
+    "train.sync_each_step": "it was removed: its measured speed-up was a step-time artifact (docs/benchmarks.md, run 18)",
+}
+
+
 def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
+    if full_key in RETIRED_KEYS:
+        return f" {RETIRED_KEYS[full_key][0].upper()}{RETIRED_KEYS[full_key][1:]}; delete the setting."
     parent_key, _, leaf = full_key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig):
@@ -423,8 +425,15 @@ def to_object(cfg: DictConfig) -> Config:
 
 
 def from_yaml(text: str) -> DictConfig:
-    """Rebuild a validated config from `to_yaml` output (how the launcher hands the config to workers)."""
-    return _merge(OmegaConf.structured(Config), OmegaConf.create(text), "from the launcher")
+    """Rebuild a validated config from `to_yaml` output: how the launcher hands the config to workers, and
+    how a run's saved config.yaml is read back (`muonrun export`)."""
+    saved = OmegaConf.create(text)
+    for key in RETIRED_KEYS:  # config.yaml of a run saved before the key was retired
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(saved, parent_key)
+        if isinstance(parent, DictConfig) and leaf in parent:
+            del parent[leaf]
+    return _merge(OmegaConf.structured(Config), saved, "from the launcher")
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -97,12 +97,10 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def to_device(values: list[float], device: torch.device, sync: bool = False) -> torch.Tensor:
-    """A few host numbers as a float32 tensor on `device`. By default with no host-to-device copy (each
-    value is a fill kernel's argument), so the host does not wait; `sync=True` copies from pageable
-    memory, which makes the host wait for all GPU work queued so far (train.sync_each_step)."""
-    if sync:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """A few host numbers as a float32 tensor on `device` with no host-to-device copy (each value is a
+    fill kernel's argument): a copy from pageable memory would make the host wait for all GPU work
+    queued so far."""
     return torch.stack([torch.full((), v, dtype=torch.float32, device=device) for v in values])
 
 

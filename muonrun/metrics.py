@@ -425,9 +425,7 @@ class Metrics:
             torch.stack([self._loss_sum / self._window_steps, grad_norm.detach().float().to(device)])
         )
         memory = memory_numbers(self.dist.device)
-        worst = all_reduce_max(
-            to_device([self._window_wait, *memory.values()], device, self.cfg.train.sync_each_step)
-        )
+        worst = all_reduce_max(to_device([self._window_wait, *memory.values()], device))
         reduced = HostCopy(torch.cat([mean, worst]))
         steps = self._window_steps
         step_time = (now - self._window_start - self._window_paused) / steps

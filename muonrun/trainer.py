@@ -106,7 +106,7 @@ class Trainer:
             else None
         )
         self.state = TrainState()
-        self.agreement = StepAgreement(cfg.train.sync_each_step)
+        self.agreement = StepAgreement()
         self.optimizer_time: Callable[[], float] | None = None
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
         self.checkpointer = Checkpointer(cfg, self.dist)
@@ -152,7 +152,7 @@ class Trainer:
             grad_norm = clip_grad_norm(self.model.parameters(), clip)
         # One collective per step, agreed by every rank (muonrun/agreement.py): non-finite loss/grad
         # (the loss is per rank) so all stop together, plus the checkpointer's stop/async-write flags.
-        # Queued now, read at the next step: the host does not wait here (unless train.sync_each_step).
+        # Queued now, read at the next step: the host does not wait here.
         with phase("agree"):
             previous = self.agreement.settle()
             self.agreement.launch(self.state.step + 1, loss_sum, grad_norm, self.checkpointer.local_flags())

@@ -12,11 +12,10 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 data=(data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py"}]' train.eval_interval=0 data.seq_len=2048 train.micro_batch_size=8)
-# 7b: train.sync_each_step=true measured 8% faster with Muon, 0.8% with AdamW (docs/benchmarks.md, runs 16-17)
 declare -A arch=(
   [0.5b]=""
   [1.5b]="model.hf.hidden_size=1536 model.hf.intermediate_size=8960 model.hf.num_hidden_layers=28 model.hf.num_attention_heads=12"
-  [7b]="model.hf.hidden_size=3584 model.hf.intermediate_size=18944 model.hf.num_hidden_layers=28 model.hf.num_attention_heads=28 model.hf.num_key_value_heads=4 model.hf.tie_word_embeddings=false model.hf.vocab_size=152064 train.micro_batch_size=8 parallel.activation_checkpointing=selective train.sync_each_step=true"
+  [7b]="model.hf.hidden_size=3584 model.hf.intermediate_size=18944 model.hf.num_hidden_layers=28 model.hf.num_attention_heads=28 model.hf.num_key_value_heads=4 model.hf.tie_word_embeddings=false model.hf.vocab_size=152064 train.micro_batch_size=8 parallel.activation_checkpointing=selective"
 )
 for size in $sizes; do
   extra=${BASELINE_EXTRA:-}

@@ -17,9 +17,8 @@ from muonrun.agreement import StepAgreement
         (2.0, 1.0, [0.0, 0.0], (False, False, False, False)),
     ],
 )
-@pytest.mark.parametrize("sync", [False, True])
-def test_settle_returns_what_was_launched_once(loss, grad_norm, flags, expected, sync):
-    agreement = StepAgreement(sync)
+def test_settle_returns_what_was_launched_once(loss, grad_norm, flags, expected):
+    agreement = StepAgreement()
     assert agreement.settle() is None
     agreement.launch(7, torch.tensor(loss), torch.tensor(grad_norm), flags)
     agreed = agreement.settle()

@@ -2,7 +2,15 @@
 
 import pytest
 
-from muonrun.config import PRESET_DIR, check_world_size, field_docs, load_config, to_object
+from muonrun.config import (
+    PRESET_DIR,
+    check_world_size,
+    field_docs,
+    from_yaml,
+    load_config,
+    to_object,
+    to_yaml,
+)
 from muonrun.errors import UserError
 
 PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if not p.stem.startswith("_"))
@@ -37,11 +45,25 @@ def test_open_section_accepts_plus_keys():
         (["checkpoint.keep_last=1"], r"keep at least 2"),
         (["launch.node_rank=3"], r"'launch.node_rank' is 3"),
         (["model.init=pretrained"], r"'model.name_or_path' is not set"),
+        (
+            ["train.sync_each_step=true"],
+            r"'train.sync_each_step'.* It was removed: .*run 18.*delete the setting",
+        ),
     ],
 )
 def test_bad_input_names_the_key(overrides, match):
     with pytest.raises(UserError, match=match):
         load_config("tiny", overrides)
+
+
+def test_a_saved_config_with_a_retired_key_still_loads():
+    """A run's config.yaml written before a key was retired (read back by `muonrun export`)."""
+    saved = to_yaml(load_config("tiny", ["train.max_steps=7"]))
+    old = saved.replace("train:\n", "train:\n  sync_each_step: true\n", 1)
+    assert "sync_each_step" in old
+    assert to_object(from_yaml(old)).train.max_steps == 7
+    with pytest.raises(UserError, match="Unknown config key 'train.not_a_key'"):
+        from_yaml(saved.replace("train:\n", "train:\n  not_a_key: 1\n", 1))
 
 
 def test_missing_and_invalid_files(tmp_path):

@@ -159,7 +159,9 @@ def test_step_time_counts_the_hosts_time_in_logging(tmp_path, dist1, monkeypatch
     monkeypatch.setattr(metrics_mod, "memory_numbers", slow_memory_numbers)
     cfg = make_cfg(tmp_path, "logging.log_interval=1")
     m = Metrics(cfg, dist1, flops_per_token=1000.0, model=tiny_model(cfg))
-    run_steps(m, cfg, losses=[4.0, 2.0, 3.0, 1.0], waits=[0.0] * 4, optimizers=[torch.optim.SGD([torch.zeros(2)])])
+    run_steps(
+        m, cfg, losses=[4.0, 2.0, 3.0, 1.0], waits=[0.0] * 4, optimizers=[torch.optim.SGD([torch.zeros(2)])]
+    )
     m.close()
     rows = [r for r in read_rows(cfg) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
