@@ -118,7 +118,9 @@ class MuonConfig:
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
     restart: the same iteration in exact arithmetic, 41% fewer FLOPs on Qwen2's MLP matrices (39% at
     7B), as close to the exact polar factor in bf16 as the standard form (CPU numerics:
-    docs/benchmarks.md, "Cheaper Newton–Schulz"). Not yet measured for speed and loss on a GPU: opt in."""
+    docs/benchmarks.md, "Cheaper Newton–Schulz"). On 2 x H200 (run 18): Muon +2.5% tokens/s at
+    Qwen2-1.5B, +0.7% at 0.5B, the same loss curve within 0.3% over 200 steps. On in the Muon preset;
+    off by default so that `muon` alone is torch.optim.Muon's iteration."""
     adjust_lr_fn: str = "original"
     """LR scaling per matrix shape A x B: `original` lr*sqrt(max(1, A/B)); `match_rms_adamw`
     lr*0.2*sqrt(max(A, B)) (reuse AdamW's lr); `spectral` lr*sqrt(A/B)."""

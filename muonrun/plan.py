@@ -155,7 +155,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
                 "Muon Newton–Schulz",
                 f"{ns / 1e12:.2f} TFLOP per rank per optimizer step = {ns / model:.1%} of the model's "
                 f"{model / 1e12:.1f} TFLOP per rank and step: an upper estimate of Muon's extra step time "
-                "over AdamW (measured on 2 x H200: +21% at 37%, +5% at 7%, docs/benchmarks.md); more "
+                "over AdamW (measured on 2 x H200: +31% at 37%, +4% at 7%, docs/benchmarks.md run 18); more "
                 "tokens per step (train.grad_accum_steps) or more ranks shrink it",
             ),
         )

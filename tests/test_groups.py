@@ -173,12 +173,15 @@ def test_muon_preset_settings_reach_the_optimizers():
     from muonrun.optim import build_optimizers
 
     cfg = to_object(
-        load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=true", "optimizer.muon.ns_steps=4"])
+        load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=false", "optimizer.muon.ns_steps=4"])
     )
     muon, adamw = build_optimizers(tiny_qwen2(tied=True), cfg.optimizer, "cpu")
     assert type(muon).__name__ == "Muon" and isinstance(adamw, torch.optim.AdamW)
-    assert muon.gram and muon.defaults["ns_steps"] == 4 and muon.defaults["lr"] == cfg.optimizer.muon.lr
+    assert not muon.gram and muon.defaults["ns_steps"] == 4 and muon.defaults["lr"] == cfg.optimizer.muon.lr
     assert muon.defaults["nesterov"] and muon.defaults["momentum"] == 0.95
-    assert not build_optimizers(
+    assert build_optimizers(
         tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", [])).optimizer, "cpu"
-    )[0].gram
+    )[0].gram  # the preset's default
+    assert not build_optimizers(
+        tiny_qwen2(tied=True), to_object(load_config("tiny", ["optimizer.name=muon"])).optimizer, "cpu"
+    )[0].gram  # the schema's: torch.optim.Muon's iteration
