@@ -13,13 +13,20 @@ import statistics
 import sys
 
 root = sys.argv[1]
-print(f"{'run folder (metrics.jsonl)':62s} {'warmup':>6s} {'reported ms':>12s} {'wall ms':>9s} {'hidden':>7s}")
+print(
+    f"{'run folder (metrics.jsonl)':62s} {'warmup':>6s} {'reported ms':>12s} {'wall ms':>9s} {'hidden':>7s}"
+)
 for path in sorted(glob.glob(f"{root}/**/metrics.jsonl", recursive=True)):
-    rows = [json.loads(line) for line in open(path)]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
     start = next((r for r in rows if r.get("event") == "start"), {})
     rows = [r for r in rows if "loss" in r and "elapsed_s" in r and "step_time" in r]
     at = {r["step"]: r["elapsed_s"] for r in rows}
-    for warmup in (5, 4, 1):  # the bench's --warmup of that run is not in the rows; the largest that leaves steps
+    for warmup in (
+        5,
+        4,
+        1,
+    ):  # the bench's --warmup of that run is not in the rows; the largest that leaves steps
         steady = [r for r in rows if r["step"] > warmup and r["step"] - 1 in at]
         if len(steady) >= 2:
             break
