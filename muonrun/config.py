@@ -366,13 +366,13 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, bool]]:
 # Keys that existed once: a saved config.yaml holding one still loads (the key is dropped), and an
 # override or preset setting one is told why it went.
 RETIRED_KEYS = {
-    "train.sync_each_step": "it was removed: its measured speed-up was a step-time artifact (docs/benchmarks.md, run 18)",
+    "train.sync_each_step": "It was removed: its measured speed-up was a step-time artifact (docs/benchmarks.md, run 18)",
 }
 
 
 def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
     if full_key in RETIRED_KEYS:
-        return f" {RETIRED_KEYS[full_key][0].upper()}{RETIRED_KEYS[full_key][1:]}; delete the setting."
+        return f" {RETIRED_KEYS[full_key]}; delete the setting."
     parent_key, _, leaf = full_key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig):
