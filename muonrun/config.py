@@ -404,7 +404,10 @@ def load_config(
     environment: dict[str, Any] | None = None,
 ) -> DictConfig:
     """Schema defaults < `environment` ({dotted key: value}, e.g. from SLURM) < preset (with its
-    `defaults:` bases) < `key=value` overrides, validated."""
+    `defaults:` bases) < `key=value` overrides, validated. A `preset` that is itself a `key=value`
+    (and no file) is the first override of the default preset: `muonrun pretrain train.max_steps=5`."""
+    if preset is not None and "=" in str(preset) and not Path(preset).is_file():
+        preset, overrides = None, [str(preset), *overrides]
     path = resolve_preset(preset or DEFAULT_PRESET)
     cfg = OmegaConf.structured(Config)
     for key, value in (environment or {}).items():

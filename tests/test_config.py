@@ -56,6 +56,11 @@ def test_bad_input_names_the_key(overrides, match):
         load_config("tiny", overrides)
 
 
+def test_overrides_alone_apply_to_the_default_preset():
+    c = to_object(load_config("optimizer.name=muon", ["train.max_steps=5"]))
+    assert c.name == to_object(load_config()).name and c.optimizer.name == "muon" and c.train.max_steps == 5
+
+
 def test_a_saved_config_with_a_retired_key_still_loads():
     """A run's config.yaml written before a key was retired (read back by `muonrun export`)."""
     saved = to_yaml(load_config("tiny", ["train.max_steps=7"]))
