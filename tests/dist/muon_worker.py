@@ -1,4 +1,4 @@
-"""Distributed Muon (and gradient clipping) checks, run by tests/test_muon.py under
+"""Distributed Muon (and gradient clipping, local-shard AdamW) checks, run by tests/test_muon.py under
 torch.distributed.run (gloo, CPU).
 
 usage: muon_worker.py CHECKPOINT_DIR
@@ -27,9 +27,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from muonrun.clip import clip_grad_norm
+from muonrun.optim.adamw import LocalShardAdamW
 from muonrun.optim.muon import Muon
 
 # (out_features, in_features): parameter shape is (out, in). Includes repeated shapes (several
@@ -291,6 +292,42 @@ def check_clip(mesh, tag: str) -> None:
     log(mesh, f"{tag} clip: norms and clipped shards match torch")
 
 
+def check_local_adamw(mesh, tag: str) -> None:
+    """LocalShardAdamW on FSDP2 (or HSDP) shards, uneven and empty ones included, against
+    torch.optim.AdamW on the full tensors: the same rows after three steps (torch's default loop and
+    the fused kernel), moments kept as DTensors (DCP), and a gradient laid out unlike its parameter
+    refused."""
+    for fused in (None, True):
+        model = make_model(4)
+        ref = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        fully_shard(model, mesh=mesh)
+        params = list(model.parameters())
+        kw = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+        opt, ref_opt = LocalShardAdamW(params, **kw), torch.optim.AdamW(ref, **kw)
+        for step in range(3):
+            grads = full_grads(step, 7)
+            set_sharded_grads(params, grads)
+            for q, g in zip(ref, grads, strict=True):
+                q.grad = g.clone()
+            opt.step()
+            ref_opt.step()
+        for p, q in zip(params, ref, strict=True):
+            torch.testing.assert_close(p._local_tensor, local_part(q.detach(), p), rtol=1e-6, atol=1e-7)
+            assert isinstance(opt.state[p]["exp_avg"], DTensor) and opt.state[p]["exp_avg"].placements == p.placements
+            torch.testing.assert_close(
+                opt.state[p]["exp_avg_sq"]._local_tensor, local_part(ref_opt.state[q]["exp_avg_sq"], p)
+            )
+    p = params[0]
+    p.grad = DTensor.from_local(torch.ones(p.shape), p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+    try:
+        LocalShardAdamW([p]).step()
+    except ValueError as e:
+        assert "laid out as" in str(e), e
+    else:
+        raise AssertionError("a Replicate gradient of a Shard(0) parameter was stepped")
+    log(mesh, f"{tag} adamw: local shards match torch")
+
+
 def suite(mesh, ckpt_dir: str) -> None:
     tag = f"fsdp shard group of {mesh.size()}"
     check_equivalence(mesh, tag)
@@ -298,6 +335,7 @@ def suite(mesh, ckpt_dir: str) -> None:
     check_torch_muon_uneven(mesh, tag)
     check_dcp(mesh, tag, ckpt_dir)
     check_clip(mesh, tag)
+    check_local_adamw(mesh, tag)
 
 
 def main() -> None:
@@ -319,6 +357,7 @@ def main() -> None:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
         check_equivalence(mesh2d, "hsdp 2x2", ALL_COMBOS[::3])
         check_clip(mesh2d, "hsdp 2x2")
+        check_local_adamw(mesh2d, "hsdp 2x2")
 
     dist.barrier()
     log(None, "MUON_WORKER_OK")
