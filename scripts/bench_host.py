@@ -1,7 +1,7 @@
 """Host time of the per-step work on FSDP2 shards that muonrun does on the local tensors, against
 torch's path through DTensor's dispatcher:
   clip:  torch.nn.utils.clip_grad_norm_ on the DTensor gradients vs muonrun.clip.clip_grad_norm;
-  adamw: torch.optim.AdamW on the DTensors vs muonrun.optim.adamw.LocalShardAdamW, as muonrun builds it
+  adamw: torch.optim.AdamW on the DTensors vs muonrun.optim.adamw.AdamW, as muonrun builds it
          (fused on CUDA, torch's default elsewhere), with foreach=True and with fused=True.
 
 usage: torchrun --standalone --nproc-per-node 2 scripts/bench_host.py [LAYERS]   (CPU, gloo; or GPU)
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from muonrun.clip import clip_grad_norm
-from muonrun.optim.adamw import LocalShardAdamW
+from muonrun.optim.adamw import AdamW
 
 
 def sharded_model(layers: int, mesh, device: torch.device) -> torch.nn.Module:
@@ -91,7 +91,7 @@ def main() -> None:
     for kind, flags in kinds.items():
         a, b = sharded_model(layers, mesh, device), sharded_model(layers, mesh, device)
         torch_opt = torch.optim.AdamW(a.parameters(), lr=1e-3, weight_decay=0.1, **flags)
-        local_opt = LocalShardAdamW(b.parameters(), lr=1e-3, weight_decay=0.1, **flags)
+        local_opt = AdamW(b.parameters(), lr=1e-3, weight_decay=0.1, **flags)
         results[f"adamw {kind}"] = time_pair(
             {"torch_dtensor": torch_opt.step, "muonrun_local": local_opt.step}, cuda
         )

@@ -16,10 +16,10 @@ from muonrun.config import OptimizerConfig
 
 def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
     """torch's AdamW, stepped on the local shards (muonrun/optim/adamw.py: same results, less host time)."""
-    from muonrun.optim.adamw import LocalShardAdamW
+    from muonrun.optim.adamw import AdamW
 
     fused = o.fused if o.fused is not None else device_type == "cuda"
-    return LocalShardAdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
+    return AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
 
 
 def _adamw_groups(decay, no_decay, o: OptimizerConfig) -> list[dict]:

@@ -1,11 +1,12 @@
 """torch.optim.AdamW stepping the local shards of FSDP2 parameters.
 
 AdamW is elementwise, so on a parameter sharded like its gradient and its moments, stepping the
-local tensors is stepping the DTensors. torch's own path sends every fused/foreach call through
-DTensor's dispatcher, tensor by tensor: on CPU (2 gloo ranks, 24 layers = 291 parameters) 13.2 ms
-of host time per fused step and 175 ms per foreach step, against 4.6 and 26 ms on the local tensors
-(`scripts/bench_host.py`). On a GPU that host time is what a small-batch step waits for (run 16:
-14 ms of host for 2 ms of GPU work on the 0.5B preset at micro-batch 8).
+local tensors is stepping the DTensors. torch's own path sends every call through DTensor's
+dispatcher, which unwraps and checks the tensors one by one: on CPU (2 gloo ranks, 24 layers = 291
+parameters, `scripts/bench_host.py`) the fused step takes 14.9-16.3 ms of host time on the DTensors
+and 4.3-5.1 ms on the local tensors; torch's default per-tensor loop (what CPU runs get) 164-180 vs
+27-28 ms. On a GPU that host time is what a small-batch step waits for (run 16: 14 ms of host for
+2 ms of GPU work on the 0.5B preset at micro-batch 8).
 
 Everything else is torch's: hyperparameters, param groups, the state (moments stay DTensors, created
 by torch from the parameters, so Distributed Checkpoint saves and reshards them unchanged) and the
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from muonrun.optim.muon import local_tensor
 
 
-class LocalShardAdamW(torch.optim.AdamW):
+class AdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose step runs on the local shards of DTensor parameters (plain tensors
     pass through). Each gradient must be laid out like its parameter, as FSDP2's are."""
 
@@ -39,7 +40,7 @@ class LocalShardAdamW(torch.optim.AdamW):
                     or (g.device_mesh, g.placements) != (p.device_mesh, p.placements)
                 ):
                     raise ValueError(
-                        f"LocalShardAdamW: a gradient is laid out as {getattr(g, 'placements', 'a plain tensor')} "
+                        f"muonrun AdamW: a gradient is laid out as {getattr(g, 'placements', 'a plain tensor')} "
                         f"but its parameter as {p.placements}; it steps local shards, so they must match "
                         "(FSDP2's do). Use torch.optim.AdamW for other layouts."
                     )

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from muonrun.clip import clip_grad_norm
-from muonrun.optim.adamw import LocalShardAdamW
+from muonrun.optim.adamw import AdamW
 from muonrun.optim.muon import Muon
 
 # (out_features, in_features): parameter shape is (out, in). Includes repeated shapes (several
@@ -293,7 +293,7 @@ def check_clip(mesh, tag: str) -> None:
 
 
 def check_local_adamw(mesh, tag: str) -> None:
-    """LocalShardAdamW on FSDP2 (or HSDP) shards, uneven and empty ones included, against
+    """muonrun's AdamW on FSDP2 (or HSDP) shards, uneven and empty ones included, against
     torch.optim.AdamW on the full tensors: the same rows after three steps (torch's default loop and
     the fused kernel), moments kept as DTensors (DCP), and a gradient laid out unlike its parameter
     refused."""
@@ -303,7 +303,7 @@ def check_local_adamw(mesh, tag: str) -> None:
         fully_shard(model, mesh=mesh)
         params = list(model.parameters())
         kw = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
-        opt, ref_opt = LocalShardAdamW(params, **kw), torch.optim.AdamW(ref, **kw)
+        opt, ref_opt = AdamW(params, **kw), torch.optim.AdamW(ref, **kw)
         for step in range(3):
             grads = full_grads(step, 7)
             set_sharded_grads(params, grads)
@@ -320,7 +320,7 @@ def check_local_adamw(mesh, tag: str) -> None:
     p = params[0]
     p.grad = DTensor.from_local(torch.ones(p.shape), p.device_mesh, [Replicate()] * p.device_mesh.ndim)
     try:
-        LocalShardAdamW([p]).step()
+        AdamW([p]).step()
     except ValueError as e:
         assert "laid out as" in str(e), e
     else:
