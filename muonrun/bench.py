@@ -129,8 +129,10 @@ def run_bench(
 
 def print_results(results: dict) -> None:
     repeated = any("tokens_per_s_per_device_range" in r for r in results.values())
+    # tokens/s against the first variant that ran (e.g. Muon against AdamW), read off the table
+    first = next((r["tokens_per_s_per_device"] for r in results.values() if "error" not in r), None)
     table = Table(title="muonrun bench (medians after warm-up" + (", over repeats)" if repeated else ")"))
-    cols = ["variant", "tokens/s/dev"] + (["range"] if repeated else [])
+    cols = ["variant", "tokens/s/dev"] + (["range"] if repeated else []) + ["vs first"]
     for col in cols + ["MFU", "step ms", "optim ms", "data wait ms", "peak GiB", "retries", "loss"]:
         table.add_column(col, justify="right")
 
@@ -146,6 +148,7 @@ def print_results(results: dict) -> None:
             name,
             fmt(r["tokens_per_s_per_device"]),
             *([f"{fmt(lo_hi[0])}-{fmt(lo_hi[1])}" if lo_hi else "-"] if repeated else []),
+            f"{r['tokens_per_s_per_device'] / first:.3f}x",
             fmt(r["mfu"], 100, ".1f") + ("%" if r["mfu"] is not None else ""),
             fmt(r["step_time"], 1000, ".1f"),
             fmt(r["optimizer_step_time"], 1000, ".1f"),

@@ -89,9 +89,11 @@ def test_results_table_keeps_whole_names_in_a_log_file(capsys):
     results = {
         "adamw-selective-mb8-keep-gathered": {**row, "tokens_per_s_per_device_range": [10001.0, 10511.0]},
         "muon-selective-mb8-keep-gathered": {"error": "exit code 1"},
+        "muon-gram": {**row, "tokens_per_s_per_device": 9852.0},
     }
     print_results(results)
     out = capsys.readouterr().out
     assert "adamw-selective-mb8-keep-gathered" in out and "muon-selective-mb8-keep-gathered" in out
     assert "10,001-10,511" in out and "45.3%" in out and "5,321" in out and "exit code 1" in out
+    assert "1.000x" in out and "0.960x" in out  # tokens/s against the first variant that ran
     assert "…" not in out
