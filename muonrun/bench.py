@@ -133,7 +133,8 @@ def print_results(results: dict) -> None:
     first = next((r["tokens_per_s_per_device"] for r in results.values() if "error" not in r), None)
     table = Table(title="muonrun bench (medians after warm-up" + (", over repeats)" if repeated else ")"))
     cols = ["variant", "tokens/s/dev"] + (["range"] if repeated else []) + ["vs first"]
-    for col in cols + ["MFU", "step ms", "optim ms", "data wait ms", "peak GiB", "retries", "loss"]:
+    cols += ["MFU", "step ms", "optim ms", "data wait ms", "peak GiB", "retries", "loss"]
+    for col in cols:
         table.add_column(col, justify="right")
 
     def fmt(v, scale=1.0, spec=",.0f"):
@@ -141,7 +142,7 @@ def print_results(results: dict) -> None:
 
     for name, r in results.items():
         if "error" in r:
-            table.add_row(name, r["error"], *["-"] * (len(cols) + 5))
+            table.add_row(name, r["error"], *["-"] * (len(cols) - 2))
             continue
         lo_hi = r.get("tokens_per_s_per_device_range")
         table.add_row(
