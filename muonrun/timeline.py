@@ -170,12 +170,14 @@ def summarize(events: list[dict]) -> str:
         nxt = device[bisect.bisect_left(starts, resume)]
         phase = launch_phase.get(nxt.get("args", {}).get("correlation"), "other")
         lines.append(f"  {gap / 1e3:7.2f} ms, then [{phase}] {nxt['name'][:90]}")
+    # By launching phase too: "which kernels make the optimizer step slow" is the usual question.
     kernels = defaultdict(float)
     for e in device:
-        kernels[e["name"][:90]] += e["dur"]
-    lines += ["", "top device kernels, ms/step:"]
+        kernels[launch_phase.get(e.get("args", {}).get("correlation"), "other"), e["name"][:90]] += e["dur"]
+    lines += ["", "top device kernels, [launching phase], ms/step:"]
     lines += [
-        f"  {t / 1e3 / n:8.2f}  {name}" for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+        f"  {t / 1e3 / n:8.2f}  [{phase}] {name}"
+        for (phase, name), t in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     ]
     return "\n".join(lines) + "\n"
 

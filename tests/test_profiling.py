@@ -72,6 +72,10 @@ def test_timeline_splits_compute_communication_and_idle():
     assert "GPU window 10.0 ms/step: compute busy 6.0, communication busy 3.0 (exposed" in text
     assert "exposed, no compute beside it: 2.0), idle 2.0 ms/step" in text
     assert "2.00 ms, then [optimizer] newton_schulz_gemm" in text
+    assert (
+        "    2.00  [optimizer] newton_schulz_gemm" in text
+        and "    4.00  [forward_backward] sm90_gemm" in text
+    )
     rows = {
         line.split()[0]: line.split()[1:]
         for line in text.splitlines()
