@@ -71,14 +71,20 @@ def main() -> None:
         "--real-data", action="store_true", help="the preset's data and tokenizer, not random tokens"
     )
     ap.add_argument("--no-export", action="store_true")
+    ap.add_argument(
+        "--writer-threads", type=int, help="threads writing each rank's share (default: muonrun's)"
+    )
     args = ap.parse_intermixed_args()
 
+    import muonrun.checkpoint
     from muonrun.checkpoint import export_hf
     from muonrun.config import load_config, to_object, to_yaml
     from muonrun.distributed import destroy
     from muonrun.model import count_params
     from muonrun.trainer import Trainer
 
+    if args.writer_threads:
+        muonrun.checkpoint.WRITER_THREADS = args.writer_threads
     out = Path(args.out)
     overrides = [
         *([] if args.real_data else ["data.tokenizer=byte"]),
@@ -109,6 +115,7 @@ def main() -> None:
         "world_size": trainer.dist.world_size,
         "params": count_params(trainer.model.lm)["total"],
         "optimizer": cfg.optimizer.name,
+        "writer_threads": muonrun.checkpoint.WRITER_THREADS,
     }
 
     sync(dev)
