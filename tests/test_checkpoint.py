@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from muonrun import faults
 from muonrun.checkpoint import (
     META,
+    WRITER_THREADS,
     StopFlag,
     complete_checkpoints,
     load_model_tensors,
@@ -170,6 +171,10 @@ def adamw_ref(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("adamw") / "run"
     ok(pretrain(out, "checkpoint.interval=0"))
     assert steps_of(out) == [STEPS]
+    # each of the 2 ranks wrote its share with WRITER_THREADS threads, one file each (every test below
+    # resumes, reshards or exports from such checkpoints)
+    files = sorted(p.name for p in (out / "checkpoints" / f"step-{STEPS}").glob("*.distcp"))
+    assert files == [f"__{r}_{t}.distcp" for r in range(2) for t in range(WRITER_THREADS)], files
     return out
 
 
