@@ -118,6 +118,10 @@ def summarize(events: list[dict]) -> str:
         for e in events
         if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
     }
+
+    def launched_in(kernel: dict) -> str:
+        return launch_phase.get(kernel.get("args", {}).get("correlation"), "other")
+
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
     lines = [f"{len(steps)} profiled steps (rank 0)"]
     if steps:
@@ -146,8 +150,7 @@ def summarize(events: list[dict]) -> str:
     ]
     gpu_compute, gpu_comm = defaultdict(float), defaultdict(float)
     for e in device:
-        phase = launch_phase.get(e.get("args", {}).get("correlation"), "other")
-        (gpu_comm if is_communication(e["name"]) else gpu_compute)[phase] += e["dur"]
+        (gpu_comm if is_communication(e["name"]) else gpu_compute)[launched_in(e)] += e["dur"]
     for name in sorted(set(cpu) | set(gpu_compute) | set(gpu_comm), key=lambda k: -gpu_compute[k]):
         lines.append(
             f"  {name:<20} {cpu[name] / 1e3 / n:9.2f} {gpu_compute[name] / 1e3 / n:15.2f} "
@@ -168,12 +171,11 @@ def summarize(events: list[dict]) -> str:
     lines += ["", f"largest idle gaps (all streams idle >= {MIN_GAP_US / 1e3:.1f} ms), {len(gaps)} in all:"]
     for gap, _, resume in sorted(gaps, reverse=True)[:12]:
         nxt = device[bisect.bisect_left(starts, resume)]
-        phase = launch_phase.get(nxt.get("args", {}).get("correlation"), "other")
-        lines.append(f"  {gap / 1e3:7.2f} ms, then [{phase}] {nxt['name'][:90]}")
+        lines.append(f"  {gap / 1e3:7.2f} ms, then [{launched_in(nxt)}] {nxt['name'][:90]}")
     # By launching phase too: "which kernels make the optimizer step slow" is the usual question.
     kernels = defaultdict(float)
     for e in device:
-        kernels[launch_phase.get(e.get("args", {}).get("correlation"), "other"), e["name"][:90]] += e["dur"]
+        kernels[launched_in(e), e["name"][:90]] += e["dur"]
     lines += ["", "top device kernels, [launching phase], ms/step:"]
     lines += [
         f"  {t / 1e3 / n:8.2f}  [{phase}] {name}"
