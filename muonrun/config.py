@@ -118,8 +118,8 @@ class MuonConfig:
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
     restart: the same iteration in exact arithmetic, 41% fewer FLOPs on Qwen2's MLP matrices (39% at
     7B), as close to the exact polar factor in bf16 as the standard form (CPU numerics:
-    docs/benchmarks.md, "Cheaper Newton–Schulz"). On 2 x H200 (run 18): Muon +2.5% tokens/s at
-    Qwen2-1.5B, +0.7% at 0.5B, the same loss curve within 0.3% over 200 steps. On in the Muon preset;
+    docs/benchmarks.md, "Cheaper Newton–Schulz"). On 2 x H200 (runs 18-19): Muon +2.5% tokens/s at
+    Qwen2-1.5B, +0.7% at 0.5B, +8% at the 7B architecture, the same loss curve within 0.3% over 200 steps. On in the Muon preset;
     off by default so that `muon` alone is torch.optim.Muon's iteration."""
     adjust_lr_fn: str = "original"
     """LR scaling per matrix shape A x B: `original` lr*sqrt(max(1, A/B)); `match_rms_adamw`
