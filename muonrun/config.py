@@ -525,21 +525,6 @@ def validate(cfg: DictConfig) -> None:
         raise UserError("Config key 'model.init' is 'pretrained' but 'model.name_or_path' is not set.")
 
 
-def check_world_size(c: Config, world_size: int, how: str = "nnodes x nproc_per_node") -> tuple[int, int]:
-    """The (dp_replicate, dp_shard) mesh for this world size, or a UserError saying how to fix it.
-    dp_replicate=-1 means launch.nnodes; dp_shard=-1 takes what is left."""
-    replicate = c.parallel.dp_replicate if c.parallel.dp_replicate != -1 else c.launch.nnodes
-    shard = c.parallel.dp_shard if c.parallel.dp_shard != -1 else world_size // replicate
-    if shard < 1 or replicate * shard != world_size:
-        shown = f"-1 (one per node: {replicate})" if c.parallel.dp_replicate == -1 else replicate
-        raise UserError(
-            f"parallel.dp_replicate={shown} x parallel.dp_shard={c.parallel.dp_shard} does not fit a world "
-            f"of {world_size} workers ({how}). Make the product equal the world size, or set "
-            "parallel.dp_shard=-1 with a dp_replicate that divides it."
-        )
-    return replicate, shard
-
-
 def field_docs(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, str, str]]:
     """{dotted key: (type, default, docstring)} read from the dataclass source: the reference docs."""
     tree = ast.parse(inspect.getsource(cls))

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
-from muonrun.config import Config, check_world_size
+from muonrun.errors import UserError
+
+if TYPE_CHECKING:  # only the type: this module imports torch alone, so the optimizers can use it
+    from muonrun.config import Config
 
 
 @dataclass
@@ -28,6 +34,21 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def mesh_shape(c: Config, world_size: int, how: str = "nnodes x nproc_per_node") -> tuple[int, int]:
+    """The (dp_replicate, dp_shard) mesh for this world size, or a UserError saying how to fix it.
+    dp_replicate=-1 means launch.nnodes; dp_shard=-1 takes what is left."""
+    replicate = c.parallel.dp_replicate if c.parallel.dp_replicate != -1 else c.launch.nnodes
+    shard = c.parallel.dp_shard if c.parallel.dp_shard != -1 else world_size // replicate
+    if shard < 1 or replicate * shard != world_size:
+        shown = f"-1 (one per node: {replicate})" if c.parallel.dp_replicate == -1 else replicate
+        raise UserError(
+            f"parallel.dp_replicate={shown} x parallel.dp_shard={c.parallel.dp_shard} does not fit a world "
+            f"of {world_size} workers ({how}). Make the product equal the world size, or set "
+            "parallel.dp_shard=-1 with a dp_replicate that divides it."
+        )
+    return replicate, shard
 
 
 def pick_device_type(c: Config) -> str:
@@ -64,12 +85,19 @@ def init_distributed(c: Config) -> Dist:
     )
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if device_type == "cuda" else None)
-    replicate, shard = check_world_size(c, world)
+    replicate, shard = mesh_shape(c, world)
     if replicate == 1:
         mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=("dp_shard",))
     else:
         mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device, mesh=mesh)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view sharing its storage), or the tensor itself. Reads the
+    attribute instead of calling `to_local()`, which records an autograd node on every call: the
+    optimizers and the clip call it on hundreds of tensors per step."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def free_port() -> int:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from muonrun.config import check_world_size, to_object, to_yaml
+from muonrun.config import to_object, to_yaml
+from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -67,7 +68,7 @@ def make_plan(cfg: DictConfig) -> LaunchPlan:
             "(the same on every node), or run under SLURM's srun."
         )
     # Before any worker starts: a mesh that cannot fit is the user's mistake (exit 2), not a crash.
-    _, shard = check_world_size(
+    _, shard = mesh_shape(
         c, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
     )
     if plan.nnodes > 1 and shard % plan.nproc_per_node and plan.nproc_per_node % shard:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from muonrun.config import check_world_size, to_object
+from muonrun.config import to_object
+from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 
 GIB = 2**30
@@ -78,7 +79,7 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     if world % nnodes:
         raise UserError(f"--world-size {world} cannot be split evenly over --nnodes {nnodes}.")
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
-    replicate, shard = check_world_size(c, world, how)
+    replicate, shard = mesh_shape(c, world, how)
     hf = build_hf_config(c.model)
     model = build_model(c.model, hf)
     params = count_params(model)

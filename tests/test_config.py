@@ -4,13 +4,13 @@ import pytest
 
 from muonrun.config import (
     PRESET_DIR,
-    check_world_size,
     field_docs,
     from_yaml,
     load_config,
     to_object,
     to_yaml,
 )
+from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 
 PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if not p.stem.startswith("_"))
@@ -90,9 +90,9 @@ def test_missing_and_invalid_files(tmp_path):
 
 def test_world_size_check():
     c = to_object(load_config("tiny", ["parallel.dp_replicate=2"]))
-    assert check_world_size(c, 4) == (2, 2)
+    assert mesh_shape(c, 4) == (2, 2)
     with pytest.raises(UserError, match="does not fit a world of 3"):
-        check_world_size(c, 3)
+        mesh_shape(c, 3)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

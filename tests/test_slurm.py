@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from muonrun.cli import app
-from muonrun.config import PRESET_DIR, check_world_size, load_config, to_object
+from muonrun.config import PRESET_DIR, load_config, to_object
+from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 from muonrun.slurm import expand_hostlist, hostnames, launch_defaults
 
@@ -123,9 +124,9 @@ def test_dp_replicate_minus_one_is_one_replica_per_node():
     c = to_object(
         load_config("tiny", ["parallel.dp_replicate=-1", "launch.nnodes=4", "launch.rdzv_endpoint=h:1"])
     )
-    assert check_world_size(c, 32) == (4, 8)
+    assert mesh_shape(c, 32) == (4, 8)
     with pytest.raises(UserError, match=r"dp_replicate=-1 \(one per node: 4\)"):
-        check_world_size(c, 6)
+        mesh_shape(c, 6)
     result = runner.invoke(
         app, ["pretrain", "qwen2-muon-fsdp2", "--dry-run", "--world-size", "256", "--nnodes", "32",
               "parallel.dp_replicate=-1"]

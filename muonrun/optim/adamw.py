@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from muonrun.optim.muon import local_tensor
+from muonrun.distributed import local_tensor
 
 
 class AdamW(torch.optim.AdamW):

@@ -81,6 +81,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muonrun.distributed import local_tensor
+
 try:  # torch built without distributed support
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover
@@ -302,13 +304,6 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> floa
 # --------------------------------------------------------------------------------------------------
 # Sharding inspection
 # --------------------------------------------------------------------------------------------------
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The local tensor of a DTensor (a view sharing storage), or the tensor itself."""
-    if DTensor is not None and isinstance(t, DTensor):
-        return t._local_tensor
-    return t
 
 
 @dataclass(frozen=True)
