@@ -13,8 +13,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from muonrun import __version__
+from muonrun.config.load import preset_names
 from muonrun.errors import UserError
 
 app = typer.Typer(
@@ -31,7 +33,7 @@ err_console = Console(stderr=True, highlight=False)
 PresetArg = Annotated[
     str,
     typer.Argument(
-        help="YAML config file, or a built-in preset name (tiny, qwen2-adamw-fsdp2, qwen2-muon-fsdp2)."
+        help=f"YAML config file, or a built-in preset name ({', '.join(preset_names())})."
     ),
 ]
 OverridesArg = Annotated[
@@ -50,7 +52,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            err_console.print(f"[bold red]muonrun:[/] {e}")
+            err_console.print(f"[bold red]muonrun:[/] {escape(str(e))}")
             raise typer.Exit(2) from None
 
     return wrapper
@@ -151,11 +153,9 @@ def config_show(config: PresetArg = "tiny", overrides: OverridesArg = None) -> N
 @config_app.command("docs")
 def config_docs() -> None:
     """Print the reference of every config key (type, default, meaning) as Markdown."""
-    from muonrun.config import field_docs
+    from muonrun.config import markdown_table
 
-    print("| key | type | default | meaning |\n|---|---|---|---|")
-    for key, (typ, default, doc) in field_docs().items():
-        print(f"| `{key}` | {typ} | `{default}` | {' '.join(doc.split())} |")
+    print(markdown_table())
 
 
 @app.command()

@@ -98,11 +98,13 @@ def _has_cuda() -> bool:
 def launch(cfg: DictConfig) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.data import check_data
+    from muonrun.model import check_model
     from muonrun.trainer import run_worker
 
     plan = make_plan(cfg)
     c = to_object(cfg)
-    check_data(c)
+    tokenizer = check_data(c)
+    check_model(c.model, tokenizer.vocab_size, c.data.seq_len)
     config_yaml = to_yaml(cfg)
     out = Path(c.output_dir)
     if plan.node_rank == 0:

@@ -23,7 +23,7 @@ def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
     extra = dict(m.hf)
     if m.name_or_path:
         try:
-            hf = AutoConfig.from_pretrained(m.name_or_path, **extra)
+            hf = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code, **extra)
         except OSError as e:
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             raise UserError(
@@ -32,12 +32,18 @@ def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
                 "Point it at a local folder with a config.json, download it beforehand into the Hugging Face "
                 "cache, or describe the architecture inline with model.architecture and model.hf."
             ) from None
+        except ValueError as e:  # e.g. a repository whose code it would have to run
+            raise UserError(
+                f"model.name_or_path '{m.name_or_path}' cannot be used: {str(e).splitlines()[0]}"
+            ) from None
+        check_hf_keys(extra, type(hf), m)
     else:
         if m.architecture not in CONFIG_MAPPING:
             raise UserError(
                 f"model.architecture '{m.architecture}' is not a transformers model type "
                 f"(for example: qwen2, llama, mistral, qwen3)."
             )
+        check_hf_keys(extra, CONFIG_MAPPING[m.architecture], m)
         try:
             hf = CONFIG_MAPPING[m.architecture](**extra)
         except Exception as e:  # transformers' own validators raise several types
@@ -50,6 +56,57 @@ def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
             f"The tokenizer has {vocab_size} tokens but the model's vocab_size is {hf.vocab_size}; set "
             f"model.hf.vocab_size to at least {vocab_size}."
         )
+    return hf
+
+
+def check_hf_keys(extra: dict, config_class: type, m: ModelConfig) -> None:
+    """Every `model.hf` key must be one the architecture's config reads. transformers' configs accept
+    any keyword and keep it, so a typo would be saved and exported and never used: a key still stored
+    as-is after construction, which the default config does not have, was read by nobody (keys the
+    config converts, like `rope_theta` into `rope_parameters`, are consumed and pass)."""
+    try:
+        kept = set(config_class(**extra).to_dict())
+    except Exception:  # invalid values: reported with the key when the real config is built
+        return
+    default = set(config_class().to_dict())
+    unknown = [k for k in extra if k in kept and k not in default and k not in m.hf_extra_keys]
+    if unknown:
+        import difflib
+
+        key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(default), n=2)
+        hint = f" Did you mean {' or '.join(repr('model.hf.' + c) for c in close)}?" if close else ""
+        raise UserError(
+            f"Config key 'model.hf.{key}' is not a setting of the {config_class.model_type} config.{hint} "
+            f"If the model really reads it, list it in model.hf_extra_keys (model.hf_extra_keys=[{key}])."
+        )
+
+
+def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8):
+    """Build the model on the meta device and run one forward there (shapes only, no memory, no
+    GPU): an architecture that cannot run with these settings (query heads not a multiple of key/value
+    heads, say) fails here, before any worker starts, naming the settings. Returns the HF config."""
+    hf = build_hf_config(m, vocab_size)
+    model = build_model(m, hf)
+    with torch.device("meta"):
+        ids = torch.zeros(1, max(2, min(seq_len, 8)), dtype=torch.long)
+        try:
+            model.base_model(input_ids=ids, use_cache=False)
+        except NotImplementedError:
+            return hf  # an op without a meta kernel: nothing to learn here
+        except RuntimeError as e:
+            if "meta" in str(e):  # e.g. `.item()` in the model's own code: cannot run on meta
+                return hf
+            settings = ", ".join(
+                f"{k}={getattr(hf, k)}"
+                for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+                if getattr(hf, k, None) is not None
+            )
+            raise UserError(
+                f"The model settings (model.hf / model.name_or_path: {settings}) do not make a working "
+                f'{hf.model_type}: a forward pass fails with "{str(e).splitlines()[0]}". Fix model.hf '
+                "(for example, num_attention_heads must be a multiple of num_key_value_heads)."
+            ) from None
     return hf
 
 
@@ -89,7 +146,10 @@ def build_model(m: ModelConfig, hf_config) -> nn.Module:
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(
-                hf_config, attn_implementation=m.attn_implementation, dtype=torch.float32
+                hf_config,
+                attn_implementation=m.attn_implementation,
+                dtype=torch.float32,
+                trust_remote_code=m.trust_remote_code,
             )
         except (ValueError, ImportError) as e:
             raise UserError(

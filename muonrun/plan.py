@@ -60,15 +60,27 @@ def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = Fals
     """Muon's Newton–Schulz FLOPs per rank and optimizer step: every matrix is orthogonalized once in
     each shard group, so the work is split over dp_shard ranks; a matrix is never split, so the
     busiest rank does at least the largest one."""
-    from muonrun.optim.muon import newton_schulz_flops
+    from muonrun.optim.newton_schulz import newton_schulz_flops
 
     flops = [newton_schulz_flops(shape, steps, gram) for shape in shapes]
     return max(sum(flops) / dp_shard, max(flops, default=0))
 
 
+def tokenizer_vocab(c) -> tuple[int | None, str]:
+    """(vocabulary size, a line for the plan). A tokenizer this machine cannot load (a Hub id, offline)
+    is reported as unchecked instead of failing the plan: the launcher checks it before training."""
+    from muonrun.data import build_tokenizer
+
+    try:
+        tok = build_tokenizer(c.data.tokenizer)
+    except UserError as e:
+        return None, f"{c.data.tokenizer}: not loadable here, vocabulary not checked ({str(e)[:120]}...)"
+    return tok.vocab_size, f"{c.data.tokenizer} ({tok.vocab_size:,} tokens, fits the model's vocabulary)"
+
+
 def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     from muonrun.launch import default_nproc
-    from muonrun.model import build_hf_config, build_model, count_params, flops_per_token
+    from muonrun.model import build_model, check_model, count_params, flops_per_token
     from muonrun.optim.groups import split_params
 
     c = to_object(cfg)
@@ -80,7 +92,8 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
         raise UserError(f"--world-size {world} cannot be split evenly over --nnodes {nnodes}.")
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
     replicate, shard = mesh_shape(c, world, how)
-    hf = build_hf_config(c.model)
+    vocab, tokenizer = tokenizer_vocab(c)
+    hf = check_model(c.model, vocab, c.data.seq_len)
     model = build_model(c.model, hf)
     params = count_params(model)
     split = split_params(
@@ -91,6 +104,7 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     fpt = flops_per_token(hf, c.data.seq_len)
     return {
         "model": f"{hf.model_type} ({c.model.name_or_path or 'inline config'})",
+        "tokenizer": tokenizer,
         "parameters": params,
         "muon_parameters": muon_params if c.optimizer.name == "muon" else 0,
         "flops_per_token": fpt,
@@ -121,6 +135,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
     p = s["parameters"]
     rows = [
         ("model", s["model"]),
+        ("tokenizer", s["tokenizer"]),
         ("parameters", f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)"),
         (
             "optimizer",
@@ -156,7 +171,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
                 "Muon Newton–Schulz",
                 f"{ns / 1e12:.2f} TFLOP per rank per optimizer step = {ns / model:.1%} of the model's "
                 f"{model / 1e12:.1f} TFLOP per rank and step: an upper estimate of Muon's extra step time "
-                "over AdamW (measured on 2 x H200: +31% at 37%, +4% at 7%, docs/benchmarks.md run 18); more "
+                "over AdamW (docs/performance.md sets it beside measured step times); more "
                 "tokens per step (train.grad_accum_steps) or more ranks shrink it",
             ),
         )

@@ -88,3 +88,34 @@ def test_dry_run_plans_a_large_world_and_counts_qwen2():
     assert "Muon Newton–Schulz 0.05 TFLOP per rank per optimizer step" in out
     adamw = runner.invoke(app, ["pretrain", "qwen2-adamw-fsdp2", "--dry-run", "--world-size", "2"])
     assert adamw.exit_code == 0 and "Newton–Schulz" not in adamw.output
+
+
+@pytest.mark.parametrize(
+    "override, names",
+    [
+        ("+model.hf.hiden_size=64", ["'model.hf.hiden_size'", "'model.hf.hidden_size'", "hf_extra_keys"]),
+        ("model.hf.num_key_value_heads=3", ["num_key_value_heads=3", "multiple of num_key_value_heads"]),
+        ("model.hf.vocab_size=200", ["257 tokens", "model.hf.vocab_size to at least 257"]),
+    ],
+)
+def test_a_model_the_architecture_cannot_build_fails_the_dry_run(override, names):
+    """Caught before any worker starts (the dry run builds the model on the meta device and runs a
+    forward there), so also before training: exit 2, one paragraph naming the key, no traceback."""
+    result = runner.invoke(app, ["pretrain", "tiny", override, "--dry-run"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert all(n in text for n in names), text
+    assert "Traceback" not in result.output
+
+
+def test_a_deliberate_extra_model_key_is_admitted():
+    result = runner.invoke(
+        app, ["pretrain", "tiny", "+model.hf.my_flag=1", "model.hf_extra_keys=[my_flag]", "--dry-run"]
+    )
+    assert result.exit_code == 0, result.output
+
+
+def test_pretrain_help_lists_every_preset():
+    result = runner.invoke(app, ["pretrain", "--help"])
+    text = "".join(result.output.split())  # rich wraps the help text anywhere
+    assert all(name in text for name in PRESETS), (PRESETS, result.output)

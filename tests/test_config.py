@@ -47,7 +47,7 @@ def test_open_section_accepts_plus_keys():
         (["model.init=pretrained"], r"'model.name_or_path' is not set"),
         (
             ["train.sync_each_step=true"],
-            r"'train.sync_each_step'.* It was removed: .*run 18.*delete the setting",
+            r"'train.sync_each_step'.* It was removed: .*delete the setting",
         ),
     ],
 )
@@ -115,3 +115,37 @@ def test_every_field_is_documented():
     assert "train.max_steps" in docs and "data.sources[].path" in docs
     undocumented = [k for k, (_, _, doc) in docs.items() if not doc]
     assert not undocumented, undocumented
+
+
+def test_list_elements_are_set_by_index_in_either_syntax(tmp_path):
+    c = to_object(load_config("tiny", ["data.sources.0.path=a.jsonl", "data.sources[0].text_field=body"]))
+    assert (c.data.sources[0].path, c.data.sources[0].text_field) == ("a.jsonl", "body")
+    c = to_object(load_config("tiny", ["data.sources=[{path: a.jsonl, weight: 2}, {path: b.txt}]"]))
+    assert [(s.path, s.weight) for s in c.data.sources] == [("a.jsonl", 2.0), ("b.txt", 1.0)]
+    with pytest.raises(UserError, match=r"'data.sources' is a list of 1 entries.*data.sources=\[\{path"):
+        load_config("tiny", ["data.sources.3.path=x.jsonl"])
+    with pytest.raises(UserError, match=r"Unknown config key 'data.sources.0.pth'.*'data.sources.0.path'"):
+        load_config("tiny", ["data.sources.0.pth=x.jsonl"])
+    with pytest.raises(UserError, match=r"'data.sources.0.weight'.*wrong type"):
+        load_config("tiny", ["data.sources.0.weight=heavy"])
+
+
+def test_defaults_may_name_a_builtin_preset(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("defaults: [tiny]\ntrain:\n  max_steps: 9\n")
+    c = to_object(load_config(mine))
+    assert c.name == "tiny" and c.train.max_steps == 9
+    mine.write_text("defaults: [no-such-preset]\n")
+    with pytest.raises(UserError, match=r"'no-such-preset' under `defaults:`.*built-in preset \(.*tiny"):
+        load_config(mine)
+
+
+def test_config_docs_is_one_table_cell_per_column():
+    from muonrun.config import markdown_table
+
+    rows = markdown_table().splitlines()
+    # an unescaped `|` (as in `str | None`) would add a column and shift the table
+    assert all(row.replace("\\|", "").count("|") == 5 for row in rows), [r for r in rows if r.count("|") != 5]
+    by_key = {row.split("|")[1].strip(" `"): row for row in rows[2:]}
+    assert "cosine / linear / constant / wsd" in by_key["schedule.name"]  # allowed values shown
+    assert "str \\| None" in by_key["model.name_or_path"]

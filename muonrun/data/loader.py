@@ -446,8 +446,9 @@ def _tokenizer_name(cfg) -> str:
     return cfg.data.tokenizer
 
 
-def check_data(cfg) -> None:
-    """Cheap validation in the launcher before workers start: sources, columns, tokenizer. Raises UserError."""
+def check_data(cfg):
+    """Cheap validation in the launcher before workers start: sources, columns, tokenizer. Raises
+    UserError; returns the tokenizer."""
     from muonrun.data.sources import check_source
     from muonrun.data.tokenizer import build_tokenizer
 
@@ -463,6 +464,7 @@ def check_data(cfg) -> None:
             if not src.streaming and _cached(src, key, tok, cfg.data):
                 continue  # a cached Hub dataset needs no network
             check_source(src, key)
+    return tok
 
 
 def _cached(src, key, tok, data_cfg) -> bool:

@@ -1,0 +1,63 @@
+"""Typed configuration: `schema` (the dataclasses; their field docstrings are the reference docs),
+`load` (presets, `defaults:`, overrides, validation) and `docs` (`muonrun config docs`).
+
+    from muonrun.config import load_config, to_object
+    cfg = to_object(load_config("tiny", ["train.max_steps=10"]))
+"""
+
+from muonrun.config.docs import field_docs, markdown_table
+from muonrun.config.load import (
+    DEFAULT_PRESET,
+    PRESET_DIR,
+    RETIRED_KEYS,
+    choices,
+    from_yaml,
+    load_config,
+    preset_names,
+    resolve_preset,
+    to_object,
+    to_yaml,
+    validate,
+)
+from muonrun.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LaunchConfig,
+    LoggingConfig,
+    ModelConfig,
+    MuonConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    SourceConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "PRESET_DIR",
+    "RETIRED_KEYS",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "LaunchConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "MuonConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "ScheduleConfig",
+    "SourceConfig",
+    "TrainConfig",
+    "choices",
+    "field_docs",
+    "from_yaml",
+    "load_config",
+    "markdown_table",
+    "preset_names",
+    "resolve_preset",
+    "to_object",
+    "to_yaml",
+    "validate",
+]

@@ -1,0 +1,270 @@
+"""Loading a configuration: schema defaults < preset YAML (with its `defaults:` bases) < overrides.
+
+    muonrun config show tiny train.max_steps=10 data.sources.0.path=my.jsonl
+
+A preset is a YAML path or the name of a built-in one (muonrun/configs/). Overrides are `key=value`
+with dotted keys (list elements by index: `data.sources.0.path` or `data.sources[0].path`);
+`+key=value` adds a key to an open section (`model.hf`). Every mistake raises a UserError naming
+the key or file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from muonrun.config.schema import Config
+from muonrun.errors import UserError
+
+PRESET_DIR = Path(__file__).parent.parent / "configs"
+DEFAULT_PRESET = "tiny"
+
+
+def _package_dir(name: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package '{name}' is not installed")
+    return list(spec.submodule_search_locations)[0]
+
+
+# Text corpora that exist on any machine with muonrun installed, for offline presets:
+# `${stdlib:}` is the Python standard library's source folder, `${pkg:NAME}` an installed package's.
+for _name, _fn in (("stdlib", lambda: sysconfig.get_paths()["stdlib"]), ("pkg", _package_dir)):
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_resolver(_name, _fn, annotation_validation="off")
+
+
+def preset_names() -> list[str]:
+    """The built-in presets (files starting with `_` are shared bases, not presets)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def _builtin(name: str) -> Path | None:
+    path = PRESET_DIR / f"{name.removesuffix('.yaml')}.yaml"
+    return path if "/" not in name and path.is_file() else None
+
+
+def resolve_preset(path_or_name: str | os.PathLike) -> Path:
+    """A preset is a YAML path, or the name of a file in the built-in presets (`tiny`, `qwen2-muon-fsdp2`)."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    builtin = _builtin(str(path_or_name)) if path.parent == Path(".") else None
+    if builtin:
+        return builtin
+    raise UserError(
+        f"Config file '{path}' does not exist. Pass a YAML path or a built-in preset: {', '.join(preset_names())}."
+    )
+
+
+def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    """Load one YAML file, merging the files its `defaults:` list names underneath it: a path relative
+    to the file, or a built-in preset's name."""
+    path = path.resolve()
+    if path in seen:
+        raise UserError(f"Config file '{path}' includes itself through `defaults:`.")
+    try:
+        node = OmegaConf.load(path)  # yaml.SafeLoader underneath: no Python objects from YAML tags
+    except Exception as e:  # yaml.YAMLError and friends: report the file, not the parser internals
+        raise UserError(f"Config file '{path}' is not valid YAML: {e}") from None
+    if not isinstance(node, DictConfig):
+        raise UserError(f"Config file '{path}' must hold a mapping of keys, not a {type(node).__name__}.")
+    bases = node.pop("defaults", [])
+    if isinstance(bases, str):
+        bases = [bases]
+    layers = []
+    for base in bases:
+        relative = path.parent / (base if str(base).endswith(".yaml") else f"{base}.yaml")
+        base_path = relative if relative.is_file() else _builtin(str(base))
+        if base_path is None:
+            raise UserError(
+                f"Config file '{path}' lists '{base}' under `defaults:`, but neither '{relative}' exists nor "
+                f"is it a built-in preset ({', '.join(preset_names())})."
+            )
+        layers.append(_load_yaml(base_path, (*seen, path)))
+    return OmegaConf.merge(*layers, node) if layers else node
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, bool]]:
+    """(dotted key, value text, add?) per override; `a[0].b` is written `a.0.b`."""
+    parsed = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        add = key.startswith("+")
+        key = _INDEX.sub(r".\1", key.removeprefix("+").strip())
+        if not sep or not key or any(c.isspace() for c in key) or ".." in key or key.endswith("."):
+            raise UserError(
+                f"Override '{item}' is malformed: write KEY=VALUE with a dotted key, e.g. train.max_steps=100 "
+                "or data.sources.0.path=my.jsonl (+model.hf.KEY=VALUE adds a key to an open section)."
+            )
+        parsed.append((key, value, add))
+    return parsed
+
+
+# Keys that existed once: a saved config.yaml holding one still loads (the key is dropped), and an
+# override or preset setting one is told why it went.
+RETIRED_KEYS = {
+    "train.sync_each_step": "It was removed: a host sync after each step never made training faster",
+}
+
+
+def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
+    if full_key in RETIRED_KEYS:
+        return f" {RETIRED_KEYS[full_key]}; delete the setting."
+    parent_key, _, leaf = full_key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if not isinstance(parent, DictConfig):
+        return ""
+    close = difflib.get_close_matches(leaf, [str(k) for k in parent], n=3)
+    prefix = f"{parent_key}." if parent_key else ""
+    return f" Did you mean {' or '.join(repr(prefix + c) for c in close)}?" if close else ""
+
+
+def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, layer)
+    except ConfigKeyError as e:
+        key = e.full_key or str(e.key)
+        raise UserError(f"Unknown config key '{key}' in {source}.{_did_you_mean(base, key)}") from None
+    except ValidationError as e:
+        raise UserError(
+            f"Config key '{e.full_key}' in {source} has the wrong type: {e.msg.splitlines()[0]}."
+        ) from None
+    except OmegaConfBaseException as e:
+        raise UserError(
+            f"Config {source} could not be merged at '{getattr(e, 'full_key', '?')}': {e.msg}."
+        ) from None
+
+
+def _parse_value(key: str, text: str) -> Any:
+    """An override's value as YAML would read it (`100` an int, `[a, b]` a list, `null` None)."""
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+    except Exception as e:
+        raise UserError(f"Override '{key}={text}': the value is not valid YAML: {e}") from None
+
+
+def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConfig:
+    source = f"override '{key}={text}'"
+    parts = key.split(".")
+    for i in range(len(parts) - 1):
+        node = OmegaConf.select(cfg, ".".join(parts[: i + 1]))
+        index = parts[i + 1]
+        if isinstance(node, ListConfig) and (not index.isdigit() or int(index) >= len(node)):
+            list_key = ".".join(parts[: i + 1])
+            raise UserError(
+                f"Config key '{list_key}' is a list of {len(node)} entries, so {source} names no entry "
+                f"(indices 0..{len(node) - 1}). Replace the whole list instead, e.g. "
+                f"{list_key}=[{{path: my.jsonl}}]."
+            )
+    if not add and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+        hint = _did_you_mean(cfg, key) or " Prefix it with '+' to add a key to an open section (model.hf)."
+        raise UserError(f"Unknown config key '{key}' in {source}.{hint}")
+    if not any(part.isdigit() for part in key.split(".")):
+        return _merge(cfg, OmegaConf.from_dotlist([f"{key}={text}"]), source)
+    value = _parse_value(key, text)  # inside a list element: set in place (a merge cannot index lists)
+    try:
+        OmegaConf.update(cfg, key, value, merge=False, force_add=add)
+    except ValidationError as e:
+        raise UserError(
+            f"Config key '{key}' in {source} has the wrong type: {e.msg.splitlines()[0]}."
+        ) from None
+    except OmegaConfBaseException as e:
+        raise UserError(f"Config {source} could not be applied: {e.msg.splitlines()[0]}.") from None
+    return cfg
+
+
+def load_config(
+    preset: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    environment: dict[str, Any] | None = None,
+) -> DictConfig:
+    """Schema defaults < `environment` ({dotted key: value}, e.g. from SLURM) < preset (with its
+    `defaults:` bases) < `key=value` overrides, validated. A `preset` that is itself a `key=value`
+    (and no file) is the first override of the default preset: `muonrun pretrain train.max_steps=5`."""
+    if preset is not None and "=" in str(preset) and not Path(preset).is_file():
+        preset, overrides = None, [str(preset), *overrides]
+    path = resolve_preset(preset or DEFAULT_PRESET)
+    cfg = OmegaConf.structured(Config)
+    for key, value in (environment or {}).items():
+        OmegaConf.update(cfg, key, value)
+    cfg = _merge(cfg, _load_yaml(path), f"'{path}'")
+    for key, value, add in _parse_overrides(list(overrides)):
+        cfg = _apply_override(cfg, key, value, add)
+    validate(cfg)
+    return cfg
+
+
+def to_object(cfg: DictConfig) -> Config:
+    """Resolve interpolations and turn the OmegaConf tree into the typed dataclasses (which runs each
+    section's own checks)."""
+    return OmegaConf.to_object(cfg)
+
+
+def from_yaml(text: str) -> DictConfig:
+    """Rebuild a validated config from `to_yaml` output: how the launcher hands the config to workers, and
+    how a run's saved config.yaml is read back (`muonrun export`)."""
+    saved = OmegaConf.create(text)
+    for key in RETIRED_KEYS:  # config.yaml of a run saved before the key was retired
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(saved, parent_key)
+        if isinstance(parent, DictConfig) and leaf in parent:
+            del parent[leaf]
+    return _merge(OmegaConf.structured(Config), saved, "from the launcher")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    """{dotted key: allowed values} of every `one_of` field in the schema."""
+    out: dict[str, tuple[str, ...]] = {}
+    for f in dataclasses.fields(cls):
+        if "choices" in f.metadata:
+            out[f"{prefix}{f.name}"] = f.metadata["choices"]
+        elif f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(
+            sub := f.default_factory()
+        ):
+            out.update(choices(type(sub), f"{prefix}{f.name}."))
+    return out
+
+
+def validate(cfg: DictConfig) -> None:
+    """The checks no single section can make, after the sections' own (run by `to_object`). Raises UserError."""
+    try:
+        c = to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None
+    for key, allowed in choices().items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise UserError(f"Config key '{key}' is '{value}'; choose one of: {', '.join(allowed)}.")
+    if not c.data.sources:
+        raise UserError("Config key 'data.sources' is empty; list at least one source with a `path`.")
+    for group in ("sources", "eval_sources"):
+        for i, src in enumerate(getattr(c.data, group)):
+            if src.path == "???" or not src.path:
+                raise UserError(
+                    f"Config key 'data.{group}.{i}.path' is not set; give a file, folder or Hub id."
+                )
+    if c.train.eval_interval and not c.data.eval_sources:
+        raise UserError(
+            f"Config key 'train.eval_interval' is {c.train.eval_interval} but 'data.eval_sources' is empty; "
+            "add an eval source or set train.eval_interval=0."
+        )
+    if c.model.init == "pretrained" and not c.model.name_or_path:
+        raise UserError("Config key 'model.init' is 'pretrained' but 'model.name_or_path' is not set.")

@@ -1,0 +1,363 @@
+"""The typed configuration: one dataclass per section, a docstring under every field.
+
+Those docstrings are the reference documentation (`muonrun config docs` prints them as a table). A
+field with a closed set of values declares it beside itself with `one_of(default, *others)`; range
+checks that need only their own section live in that section's `__post_init__`, which runs whenever
+OmegaConf turns a config into these objects (`load.to_object`). Checks across sections are in
+`load.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from muonrun.errors import UserError
+
+
+def one_of(default: str, *others: str) -> Any:
+    """A string field whose value must be `default` or one of `others` (checked by `load.validate`,
+    listed by `muonrun config docs`)."""
+    return field(default=default, metadata={"choices": (default, *others)})
+
+
+def _at_least(minimum: float, **values: float) -> None:
+    for key, value in values.items():
+        if value < minimum:
+            raise UserError(f"Config key '{key}' is {value}; it must be at least {minimum}.")
+
+
+def _not_negative(**values: float) -> None:
+    for key, value in values.items():
+        if value < 0:
+            raise UserError(f"Config key '{key}' is {value}; it must not be negative.")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = None
+    """Hugging Face model id or local folder whose config.json defines the architecture. When None,
+    the architecture is `model.architecture` with the keyword arguments in `model.hf`."""
+    architecture: str = "qwen2"
+    """transformers `model_type` (qwen2, llama, mistral, ...) used when `name_or_path` is None."""
+    hf: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the transformers config (hidden_size, num_hidden_layers, ...), applied on
+    top of `name_or_path`'s config too. Add one with `+model.hf.KEY=VALUE`; a key the architecture's
+    config class does not know is refused with a "did you mean" (a typo would otherwise be kept
+    silently); `model.hf_extra_keys` admits custom keys deliberately."""
+    hf_extra_keys: list[str] = field(default_factory=list)
+    """Keys of `model.hf` to pass to the transformers config even though its class does not define
+    them (custom attributes a remote or patched model reads)."""
+    init: str = one_of("random", "pretrained")
+    """`random` (fresh weights, seeded by train.seed) or `pretrained` (load `name_or_path`'s weights)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention kernel: sdpa, eager, flash_attention_2 (if installed)."""
+    trust_remote_code: bool = False
+    """Let transformers run Python code shipped with `name_or_path`'s model. Off: only architectures
+    built into transformers load (tokenizers never run remote code); turn it on only for a repository
+    you trust."""
+
+
+@dataclass
+class SourceConfig:
+    path: str = "???"
+    """Hub dataset id (e.g. allenai/c4) or local file, folder or glob (`**` recurses). Files are read by
+    extension: .jsonl/.json/.parquet/.arrow/.csv (optionally .gz/.bz2/.xz/.zst) as tables, every other
+    file (.txt, .py, .md, ...) as ONE document per file, UTF-8. Folders skip hidden files and binaries."""
+    name: str | None = None
+    """Hub dataset configuration name (e.g. `en` for allenai/c4)."""
+    split: str = "train"
+    """Dataset split to read; slices work too (`train[:95%]`, `train[-1000:]`). Local files form `train`."""
+    text_field: str = "text"
+    """Column holding the document text (tables and Hub datasets; plain text files have no columns)."""
+    weight: float = 1.0
+    """Mixture weight (> 0): the source's share of training windows is weight / sum of weights. Within an
+    epoch a source is repeated or subsampled to its share (a different subset each epoch)."""
+    streaming: bool = False
+    """Stream the dataset instead of downloading and caching it whole (for very large Hub datasets). When
+    any source of a list streams, the whole list streams; resume then needs the same data-parallel size."""
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    """Training text sources (at least one). From the command line: `data.sources.0.path=x.jsonl` sets
+    a field of the first source; `data.sources=[{path: a.jsonl},{path: b.txt}]` replaces the list."""
+    eval_sources: list[SourceConfig] = field(default_factory=list)
+    """Held-out sources evaluated every `train.eval_interval` steps (optional): the same fixed
+    `train.eval_steps` batches per rank each time."""
+    tokenizer: str = "byte"
+    """`byte` (built-in byte-level tokenizer, no download) or a Hub id / local folder for AutoTokenizer."""
+    seq_len: int = 2048
+    """Tokens per training sequence; documents (each followed by EOS) are packed into windows of this length."""
+    num_proc: int = 1
+    """Processes for tokenizing map-style datasets."""
+    cache_dir: str | None = None
+    """Folder for tokenized caches (`muonrun prepare`). None: $MUONRUN_CACHE, else `~/.cache/muonrun`."""
+    shuffle: bool = True
+    """Shuffle the packed windows (seeded by train.seed)."""
+    shuffle_buffer: int = 10000
+    """Streaming only: documents read, shuffled and tokenized together per rank (a block; training
+    prepares the next one on a background thread). Resume re-reads the current block, so larger
+    blocks shuffle better but resume slower."""
+    skip_bad_records: bool = False
+    """Records whose text field is missing, null or not a string stop the run, naming the file and the
+    first such record. True: skip them instead and report how many were skipped."""
+
+    def __post_init__(self) -> None:
+        _at_least(1, **{"data.seq_len": self.seq_len, "data.num_proc": self.num_proc})
+
+
+@dataclass
+class MuonConfig:
+    lr: float = 0.02
+    """Learning rate of the Muon (hidden matrix) parameters; the other parameters use optimizer.lr."""
+    weight_decay: float | None = None
+    """Decoupled weight decay for the Muon parameters. None: optimizer.weight_decay."""
+    momentum: float = 0.95
+    """Momentum coefficient."""
+    nesterov: bool = True
+    """Orthogonalize the Nesterov look-ahead instead of the momentum buffer."""
+    ns_steps: int = 5
+    """Newton–Schulz iterations."""
+    ns_coefficients: str = one_of("default", "polar_express")
+    """`default` (3.4445, -4.7750, 2.0315) every iteration, or `polar_express` (per-iteration coefficients)."""
+    gram_ns: bool = False
+    """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
+    restart: the same iteration in exact arithmetic, about 40% fewer FLOPs on MLP-shaped matrices, as
+    close to the exact polar factor in bf16 as the standard form, and the same loss curve. It pays
+    where wide MLP matrices dominate the optimizer step (docs/performance.md). On in the Muon preset;
+    off by default so that `muon` alone is torch.optim.Muon's iteration."""
+    adjust_lr_fn: str = one_of("original", "match_rms_adamw", "spectral")
+    """LR scaling per matrix shape A x B: `original` lr*sqrt(max(1, A/B)); `match_rms_adamw`
+    lr*0.2*sqrt(max(A, B)) (reuse AdamW's lr); `spectral` lr*sqrt(A/B)."""
+    eps: float = 1e-7
+    """Added to the Frobenius norm before Newton–Schulz."""
+    muon_patterns: list[str] = field(default_factory=list)
+    """Parameter-name globs forced into Muon (must be 2-D)."""
+    adamw_patterns: list[str] = field(default_factory=list)
+    """Parameter-name globs forced into AdamW."""
+
+    def __post_init__(self) -> None:
+        _not_negative(**{"optimizer.muon.lr": self.lr, "optimizer.muon.ns_steps": self.ns_steps})
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = one_of("adamw", "muon")
+    """`adamw`, or `muon` (Muon for hidden matrices, AdamW for embeddings, LM head, norms and biases)."""
+    lr: float = 3e-4
+    """Peak learning rate of AdamW (with `muon`: of the embeddings, LM head, norms and biases)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of AdamW (norms and biases are never decayed)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    fused: bool | None = None
+    """Fused AdamW kernel. None: on for GPUs, off on CPU."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon settings (used when name is `muon`)."""
+
+    def __post_init__(self) -> None:
+        _not_negative(**{"optimizer.lr": self.lr, "optimizer.weight_decay": self.weight_decay})
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise UserError(
+                f"Config key 'optimizer.betas' is {list(self.betas)}; give two numbers in [0, 1)."
+            )
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = one_of("cosine", "linear", "constant", "wsd")
+    """`cosine`, `linear`, `constant` or `wsd` (warmup-stable-decay)."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to the peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine, linear, wsd)."""
+    decay_fraction: float = 0.2
+    """`wsd` only: fraction of train.max_steps spent in the final linear decay."""
+
+    def __post_init__(self) -> None:
+        _not_negative(**{"schedule.warmup_steps": self.warmup_steps})
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(
+                f"Config key 'schedule.min_lr_ratio' is {self.min_lr_ratio}; it must be in [0, 1]."
+            )
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Replicas across the HSDP replicate axis (typically the number of nodes). 1: plain FSDP.
+    -1: one replica per node (= launch.nnodes), each sharded over its node's workers."""
+    dp_shard: int = -1
+    """Ranks each parameter is sharded over: consecutive ranks, so the workers per node shards within a
+    node and replicates across nodes. -1: world_size / dp_replicate."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after forward (less memory, one more all-gather in backward)."""
+    param_dtype: str = one_of("auto", "bfloat16", "float32")
+    """Compute dtype of parameters in forward/backward: `auto` (bfloat16 on GPU, float32 on CPU),
+    `bfloat16` or `float32`. The master copy and optimizer state stay in float32."""
+    reduce_dtype: str = one_of("float32", "bfloat16")
+    """Dtype of gradient reduce-scatter."""
+    activation_checkpointing: str = one_of("none", "full", "selective")
+    """`none`, `full` (recompute every decoder layer) or `selective` (every other layer)."""
+    compile: bool = False
+    """torch.compile each decoder layer."""
+    compile_loss: bool = False
+    """torch.compile each loss chunk's softmax gradient into one pass over the bf16 logits (GPU; the
+    eager path makes about six fp32 passes over every [chunk x vocab] block)."""
+
+    def __post_init__(self) -> None:
+        for key, value in (
+            ("parallel.dp_replicate", self.dp_replicate),
+            ("parallel.dp_shard", self.dp_shard),
+        ):
+            if value != -1 and value < 1:
+                raise UserError(
+                    f"Config key '{key}' is {value}; it must be at least 1, or -1 (see `muonrun config docs`)."
+                )
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    """Optimizer steps to train."""
+    micro_batch_size: int = 1
+    """Sequences per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 42
+    """Seed for weights, data order and dropout."""
+    device: str = one_of("auto", "cuda", "cpu")
+    """`auto` (cuda when available, else cpu), `cuda` or `cpu`."""
+    eval_interval: int = 0
+    """Evaluate on data.eval_sources every N steps (0: never)."""
+    eval_steps: int = 10
+    """Batches per evaluation."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the fused LM head + cross-entropy (gradients computed chunk by chunk in
+    forward), so the full fp32 logits never exist. 0: one chunk (fine for small vocabularies)."""
+
+    def __post_init__(self) -> None:
+        _at_least(
+            1,
+            **{
+                "train.max_steps": self.max_steps,
+                "train.micro_batch_size": self.micro_batch_size,
+                "train.grad_accum_steps": self.grad_accum_steps,
+            },
+        )
+        _not_negative(**{"train.grad_clip": self.grad_clip, "train.eval_interval": self.eval_interval})
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save every N steps (0: only at the end). Checkpoints go to OUTPUT_DIR/checkpoints/step-N."""
+    keep_last: int = 2
+    """Complete checkpoints to keep (>= 2); older ones are deleted after a new one is complete."""
+    resume_from: str | None = None
+    """Resume (weights, optimizer, data position, step) from this checkpoint folder instead of the latest
+    complete one in output_dir; a run folder means its latest complete checkpoint."""
+    init_from: str | None = None
+    """Start from this checkpoint's weights only (ignored, with a warning, when output_dir has checkpoints)."""
+    save_at_end: bool = True
+    """Save a checkpoint after the last step."""
+    async_save: bool = False
+    """Write checkpoints in a background thread (dcp.async_save, over a separate gloo group) while training
+    continues; costs one CPU copy of this rank's state. The final and the preemption checkpoints stay synchronous."""
+    export_at_end: bool = False
+    """After the final checkpoint, also write a Hugging Face folder to OUTPUT_DIR/hf (as `muonrun export`)."""
+
+    def __post_init__(self) -> None:
+        _not_negative(**{"checkpoint.interval": self.interval})
+        if self.keep_last < 2:
+            raise UserError(f"Config key 'checkpoint.keep_last' is {self.keep_last}; keep at least 2.")
+        if self.export_at_end and not self.save_at_end:
+            raise UserError(
+                "Config key 'checkpoint.export_at_end' needs checkpoint.save_at_end=true (it exports that one)."
+            )
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    """Log metrics every N steps (metrics are reduced across ranks only on these steps)."""
+    console: str = one_of("auto", "rich", "plain")
+    """`auto` (rich live view on a terminal, plain lines otherwise), `rich` or `plain`."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to OUTPUT_DIR/tensorboard (needs the tensorboard extra)."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s per device for MFU. None: look the GPU up in the built-in table (bf16, or
+    fp32/tf32 by parallel.param_dtype); MFU is left out, with one warning, for a GPU not in it (and on CPU)."""
+    all_ranks: bool = False
+    """Print output from every rank, not only rank 0."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log the same rows to (needs `pip install wandb`; warns if missing).
+    The run is named after `name` and resumes with the run folder (its id is kept in OUTPUT_DIR/wandb_id)."""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (user or team). None: your default entity."""
+    time_optimizer: bool = False
+    """Log `optimizer_step_time`: the optimizer step timed with CUDA events around it (no host sync;
+    on CPU, wall time)."""
+    profile: bool = False
+    """Profile steps 6-8 on rank 0 with torch.profiler; writes OUTPUT_DIR/profile/ops.txt,
+    trace.json.gz and timeline.txt (GPU busy/idle/communication per step and per phase)."""
+
+    def __post_init__(self) -> None:
+        _at_least(1, **{"logging.log_interval": self.log_interval})
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int | None = None
+    """Workers per node. None: every local GPU, or 1 on a machine without GPUs."""
+    nnodes: int = 1
+    """Nodes in the job. Under srun: SLURM's node count (docs/clusters.md)."""
+    node_rank: int = 0
+    """This node's rank (0 .. nnodes-1); node 0 hosts the rendezvous. Under srun: SLURM_NODEID. Global
+    worker ranks are assigned by the rendezvous (consecutive per node), not by node_rank."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the rendezvous on node 0 for multi-node jobs (every node passes the same). None on one
+    node: a free local port. Under srun: the job step's first node and MUONRUN_RDZV_PORT (default 29500)."""
+    rdzv_id: str = "muonrun"
+    """Job id shared by every node of one job. Under srun: SLURM_JOB_ID."""
+    local_addr: str | None = None
+    """Address other nodes use to reach this one (node 0's becomes the workers' MASTER_ADDR). None: this
+    machine's fully qualified host name; set it when that resolves to a loopback or wrong interface."""
+    max_restarts: int = 0
+    """Restart the workers this many times after a failure (they resume from the latest checkpoint). On
+    several nodes every node restarts its workers together; a node's launcher must stay alive."""
+    backend: str = one_of("auto", "nccl", "gloo")
+    """Process-group backend: `auto` (nccl on GPU, gloo on CPU), `nccl` or `gloo`."""
+
+    def __post_init__(self) -> None:
+        _at_least(1, **{"launch.nnodes": self.nnodes})
+        if self.nproc_per_node is not None:
+            _at_least(1, **{"launch.nproc_per_node": self.nproc_per_node})
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(
+                f"Config key 'launch.node_rank' is {self.node_rank}; it must be in 0..{self.nnodes - 1} "
+                f"(launch.nnodes is {self.nnodes})."
+            )
+
+
+@dataclass
+class Config:
+    name: str = "run"
+    """Run name, used in output_dir and in comparison plots."""
+    output_dir: str = "runs/${name}"
+    """Folder for config.yaml, metrics.jsonl, logs and checkpoints."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
