@@ -1,12 +1,13 @@
 """Global gradient-norm clipping on FSDP2 shards, without DTensor dispatch.
 
 `torch.nn.utils.clip_grad_norm_` works on DTensor gradients, but then each of its foreach ops goes
-through DTensor's dispatcher, per gradient: on the Qwen2-0.5B preset (291 gradients) it cost 14 ms
-of host time per step for 0.9 ms of GPU work (docs/benchmarks.md, run 16 profile), which is what
-limits the step wherever the host is the bottleneck (small micro-batches, CPU). Here each rank
-takes the norms of its own shards in one foreach op, one all-reduce per sharded mesh dimension adds
-the squares up (the replicate dimension of HSDP holds copies, so it is not summed), and the scale
-is applied to the local shards: the same result as torch's, a few plain kernels.
+through DTensor's dispatcher, per gradient: on a model with hundreds of gradients that is many times
+more host time than GPU work, and it limits the step wherever the host is the bottleneck (small
+micro-batches, CPU). Here each rank takes the norms of its own shards in one foreach op, one
+all-reduce per sharded mesh dimension adds the squares up (the replicate dimension of HSDP holds
+copies, so it is not summed), and the scale is applied to the local shards: the same result as
+torch's, a few plain kernels. `scripts/bench_host.py` measures both paths; docs/performance.md has
+the figures.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Host time of the per-step work on FSDP2 shards that muonrun does on the local tensors, against
 torch's path through DTensor's dispatcher:
   clip:  torch.nn.utils.clip_grad_norm_ on the DTensor gradients vs muonrun.clip.clip_grad_norm;
-  adamw: torch.optim.AdamW on the DTensors vs muonrun.optim.adamw.AdamW, as muonrun builds it
+  adamw: torch.optim.AdamW on the DTensors vs muonrun.optim.AdamW, as muonrun builds it
          (fused on CUDA, torch's default elsewhere), with foreach=True and with fused=True.
 
 usage: torchrun --standalone --nproc-per-node 2 scripts/bench_host.py [LAYERS]   (CPU, gloo; or GPU)
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from muonrun.clip import clip_grad_norm
-from muonrun.optim.adamw import AdamW
+from muonrun.optim import AdamW
 
 
 def sharded_model(layers: int, mesh, device: torch.device) -> torch.nn.Module:

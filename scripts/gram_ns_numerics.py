@@ -12,9 +12,9 @@ polar factor on gradient-like matrices (power-law spectrum), without and with on
 
 import torch
 
-from muonrun.optim.muon import (
+from muonrun.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
-    _gram_iterate,
+    gram_iterations,
     newton_schulz,
     newton_schulz_flops,
     resolve_ns_coefficients,
@@ -31,7 +31,7 @@ def gradient_like(m: int, n: int, seed: int) -> torch.Tensor:
 def gram_newton_schulz(G, per_step, norm_scale, restart):
     X = G.to(torch.bfloat16)
     X = X / (X.float().norm() * norm_scale).to(torch.bfloat16)
-    return _gram_iterate(X[None], per_step, restart)[0]
+    return gram_iterations(X[None], per_step, restart)[0]
 
 
 def main() -> None:

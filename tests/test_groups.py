@@ -170,7 +170,7 @@ def test_fsdp_sharded_model_keeps_groups():
 def test_muon_preset_settings_reach_the_optimizers():
     """optimizer.muon.* from the config (the Muon preset plus overrides) land on the built Muon."""
     from muonrun.config import load_config, to_object
-    from muonrun.optim import build_optimizers
+    from muonrun.optim.build import build_optimizers
 
     cfg = to_object(
         load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=false", "optimizer.muon.ns_steps=4"])
@@ -185,3 +185,23 @@ def test_muon_preset_settings_reach_the_optimizers():
     assert not build_optimizers(
         tiny_qwen2(tied=True), to_object(load_config("tiny", ["optimizer.name=muon"])).optimizer, "cpu"
     )[0].gram  # the schema's: torch.optim.Muon's iteration
+
+
+def test_every_optimizer_name_the_config_allows_has_a_builder():
+    """The config's list of optimizer names and the registry agree (the config does not import it)."""
+    from muonrun.config import choices
+    from muonrun.optim.build import OPTIMIZERS
+
+    assert set(OPTIMIZERS) == set(choices()["optimizer.name"])
+
+
+def test_public_api_does_not_read_the_config():
+    """`from muonrun.optim import Muon, AdamW` works without importing muonrun.config."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from muonrun.optim import AdamW, Muon, split_params, newton_schulz; "
+        "assert 'muonrun.config' not in sys.modules, sorted(m for m in sys.modules if m.startswith('muonrun'))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

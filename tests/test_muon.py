@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonrun.optim.muon import (
+from muonrun.optim import (
     DEFAULT_NS_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     Muon,
@@ -69,7 +69,7 @@ def test_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
     ours = [p.clone() for p in init]
     ref = [p.clone() for p in init]
     kw = dict(lr=LR, weight_decay=weight_decay, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    opt, ref_opt = Muon(ours, **kw, torch_compatible_ns=True), TorchMuon(ref, **kw)
+    opt, ref_opt = Muon(ours, **kw), TorchMuon(ref, **kw)
     for step in range(10):
         set_grads([ours, ref], step)
         opt.step()
@@ -82,11 +82,13 @@ def test_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
 
 @pytest.mark.parametrize("adjust_lr_fn,nesterov", [(None, True), ("match_rms_adamw", False)])
 def test_folded_ns_close_to_torch(adjust_lr_fn, nesterov):
-    """The opt-in (B + aI) X evaluation differs from torch's a X + B X only by bf16 rounding."""
+    """The folded (B + aI) X evaluation differs from torch's a X + B X only by bf16 rounding."""
+    from tests.dist.muon_worker import FoldedMuon
+
     init = make_params(2)
     ours, ref = [p.clone() for p in init], [p.clone() for p in init]
     kw = dict(lr=LR, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    opt, ref_opt = Muon(ours, **kw, torch_compatible_ns=False), TorchMuon(ref, **kw)
+    opt, ref_opt = FoldedMuon(ours, **kw), TorchMuon(ref, **kw)
     for step in range(10):
         set_grads([ours, ref], step)
         opt.step()
@@ -125,7 +127,13 @@ def test_defaults_match_torch():
         "adjust_lr_fn",
     ):
         assert ours[name].default == theirs[name].default, name
-    assert ours["torch_compatible_ns"].default is True  # torch's exact bf16 sequence unless opted out
+    # torch's exact bf16 sequence, with no switch to leave it (the folded form is newton_schulz's option)
+    assert "torch_compatible_ns" not in ours and "process_group" not in ours
+    G = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(10))
+    for M in (G[0], G[1].T):
+        assert torch.equal(
+            newton_schulz(M), torch_muon._zeropower_via_newtonschulz(M, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+        )
 
 
 def spectral_reference(init, steps, lr, weight_decay, momentum, nesterov):
@@ -153,7 +161,6 @@ def test_spectral_against_hand_formula(nesterov, weight_decay):
         weight_decay=weight_decay,
         nesterov=nesterov,
         adjust_lr_fn="spectral",
-        torch_compatible_ns=True,
     )
     for step in range(10):
         set_grads([ours], step)
@@ -229,7 +236,7 @@ def test_gram_newton_schulz_is_cheaper_only_where_it_is_used():
 @pytest.mark.parametrize("coefficients", [DEFAULT_NS_COEFFICIENTS, "polar_express"])
 def test_gram_newton_schulz_is_the_standard_iteration_in_exact_arithmetic(coefficients):
     """In float64 the Gram form (with its restart) and the standard iteration agree to rounding."""
-    from muonrun.optim.muon import _gram_iterate, _ns_iterate
+    from muonrun.optim.newton_schulz import gram_iterations, standard_iterations
 
     g = torch.Generator().manual_seed(4)
     for steps in (1, 2, 3, 5, 7):
@@ -237,8 +244,8 @@ def test_gram_newton_schulz_is_the_standard_iteration_in_exact_arithmetic(coeffi
         for shape in [(3, 6, 16), (2, 20, 4), (1, 1, 9)]:  # wide, tall, a row vector
             X = torch.randn(*shape, generator=g, dtype=torch.float64)
             X = X / X.norm(dim=(-2, -1), keepdim=True)
-            standard = _ns_iterate(X, per_step, fold_identity=True)
-            gram = _gram_iterate(X, per_step)
+            standard = standard_iterations(X, per_step, fold_identity=True)
+            gram = gram_iterations(X, per_step)
             assert (gram - standard).abs().max() < 1e-12, (steps, shape)
             if min(shape[1:]) > 1:  # the iteration did move X (a unit row vector is already orthogonal)
                 assert (standard - X).norm() > 0.1 * X.norm(), (steps, shape)
@@ -299,7 +306,7 @@ def test_param_groups_lr_changes_and_none_grads():
             },
         ]
 
-    opt, ref_opt = Muon(groups(ours), torch_compatible_ns=True), TorchMuon(groups(ref))
+    opt, ref_opt = Muon(groups(ours)), TorchMuon(groups(ref))
     for step in range(4):
         set_grads([ours, ref], step)
         for ps in (ours, ref):  # one matrix without gradient in every step: skipped
@@ -324,7 +331,7 @@ def test_changing_ns_settings_between_steps_takes_effect():
     set_grads([params], 1)
     opt.step()
     (part,) = opt._plan
-    assert part.ns[0] == POLAR_EXPRESS_COEFFICIENTS[:3]
+    assert part.ns.per_step == POLAR_EXPRESS_COEFFICIENTS[:3]
 
 
 def test_state_dict_round_trip():
@@ -375,7 +382,7 @@ def test_rejects_tensor_parallel_placement():
         ref = ok.full_tensor().detach().clone().requires_grad_()
         ok.grad = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])
         ref.grad = torch.ones(4, 6)
-        Muon([ok], lr=LR, torch_compatible_ns=True).step()
+        Muon([ok], lr=LR).step()
         TorchMuon([ref], lr=LR).step()
         torch.testing.assert_close(ok.full_tensor(), ref.detach(), atol=1e-4, rtol=0)
     finally:

@@ -1,72 +1,70 @@
-"""Optimizer registry: `optimizer.name` -> a builder that returns the list of torch optimizers.
+"""Muon and AdamW for FSDP2-sharded models, usable without the rest of muonrun.
 
-Built after `fully_shard`, so every parameter is already a DTensor shard. Each param group
-carries `peak_lr`; the trainer sets `lr = peak_lr * schedule(step)` before every step.
+- ``Muon`` (``muonrun.optim.muon``): Muon on plain tensors and FSDP2/HSDP DTensors, each matrix
+  orthogonalised once per shard group; same arguments and results as ``torch.optim.Muon``.
+- ``AdamW`` (``muonrun.optim.adamw``): ``torch.optim.AdamW`` stepping the local shards.
+- ``split_params`` (``muonrun.optim.groups``): which parameters Muon may touch (hidden matrices,
+  by module and name) and which go to AdamW (embeddings, LM head, norms, biases).
+- ``newton_schulz`` and friends (``muonrun.optim.newton_schulz``): the orthogonalisation itself.
+
+The CLI builds these from the config through ``muonrun.optim.build``; this package does not read
+the config. On an FSDP2 model, under ``torchrun``::
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from muonrun.optim import AdamW, Muon, split_params
+
+    torch.distributed.init_process_group("nccl")
+    torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("Qwen/Qwen2-0.5B")).cuda()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)  # build the optimizers after sharding: they hold the DTensor parameters
+
+    split = split_params(model)  # hidden matrices vs the rest, checked to cover every parameter
+    muon = Muon([p for _, p in split.muon], lr=0.02, weight_decay=0.01, gram=True)
+    adamw = AdamW(
+        [
+            {"params": [p for _, p in split.adamw_decay], "weight_decay": 0.01},
+            {"params": [p for _, p in split.adamw_no_decay], "weight_decay": 0.0},
+        ],
+        lr=2e-4,
+        betas=(0.9, 0.95),
+    )
+    for input_ids in batches:  # your data
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+
+These are the ``qwen2-muon-fsdp2`` preset's values: Muon's lr 0.02 suits its default
+(KellerJordan's) shape scaling and would blow up an embedding table, hence AdamW's own lr. With
+``adjust_lr_fn="match_rms_adamw"`` (Moonlight) Muon's updates have AdamW's RMS and can share its lr.
 """
 
-from __future__ import annotations
+from muonrun.optim.adamw import AdamW
+from muonrun.optim.groups import ParamSplit, split_params
+from muonrun.optim.muon import Muon
+from muonrun.optim.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    adjust_lr,
+    newton_schulz,
+    newton_schulz_flops,
+    resolve_ns_coefficients,
+)
 
-from collections.abc import Callable
-
-import torch
-from torch import nn
-
-from muonrun.config import OptimizerConfig
-
-
-def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
-    """torch's AdamW, stepped on the local shards (muonrun/optim/adamw.py: same results, less host time)."""
-    from muonrun.optim.adamw import AdamW
-
-    fused = o.fused if o.fused is not None else device_type == "cuda"
-    return AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
-
-
-def _adamw_groups(decay, no_decay, o: OptimizerConfig) -> list[dict]:
-    """Weight decay on matrices (embeddings and LM head included), never on norms and biases."""
-    groups = [
-        {"params": [p for _, p in decay], "weight_decay": o.weight_decay, "peak_lr": o.lr},
-        {"params": [p for _, p in no_decay], "weight_decay": 0.0, "peak_lr": o.lr},
-    ]
-    return [g for g in groups if g["params"]]
-
-
-def build_adamw(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
-    from muonrun.optim.groups import split_params
-
-    split = split_params(model)
-    return [_adamw(_adamw_groups(split.muon + split.adamw_decay, split.adamw_no_decay, o), o, device_type)]
-
-
-def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
-    """Muon for the hidden matrices; AdamW, with optimizer.lr/betas/eps/weight_decay, for the rest."""
-    from muonrun.optim.groups import split_params
-    from muonrun.optim.muon import Muon
-
-    m = o.muon
-    split = split_params(model, muon_patterns=m.muon_patterns, adamw_patterns=m.adamw_patterns)
-    weight_decay = m.weight_decay if m.weight_decay is not None else o.weight_decay
-    muon = Muon(
-        [{"params": [p for _, p in split.muon], "peak_lr": m.lr}],
-        lr=m.lr,
-        weight_decay=weight_decay,
-        momentum=m.momentum,
-        nesterov=m.nesterov,
-        ns_coefficients=m.ns_coefficients if m.ns_coefficients != "default" else (3.4445, -4.775, 2.0315),
-        eps=m.eps,
-        ns_steps=m.ns_steps,
-        adjust_lr_fn=m.adjust_lr_fn,
-        gram=m.gram_ns,
-    )
-    adamw = _adamw(_adamw_groups(split.adamw_decay, split.adamw_no_decay, o), o, device_type)
-    return [muon, adamw]
-
-
-OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, str], list[torch.optim.Optimizer]]] = {
-    "adamw": build_adamw,
-    "muon": build_muon,
-}
-
-
-def build_optimizers(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
-    return OPTIMIZERS[o.name](model, o, device_type)
+__all__ = [
+    "DEFAULT_NS_COEFFICIENTS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "AdamW",
+    "Muon",
+    "ParamSplit",
+    "adjust_lr",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "resolve_ns_coefficients",
+    "split_params",
+]

@@ -2,11 +2,10 @@
 
 AdamW is elementwise, so on a parameter sharded like its gradient and its moments, stepping the
 local tensors is stepping the DTensors. torch's own path sends every call through DTensor's
-dispatcher, which unwraps and checks the tensors one by one: on CPU (2 gloo ranks, 24 layers = 291
-parameters, `scripts/bench_host.py`) the fused step takes 14.9-16.3 ms of host time on the DTensors
-and 4.3-5.1 ms on the local tensors; torch's default per-tensor loop (what CPU runs get) 164-180 vs
-27-28 ms. On a GPU the step's own work now hides that host time (docs/benchmarks.md run 19: the
-same tokens/s either way on the 0.5B preset at micro-batch 8 and 16); the gain is CPU runs'.
+dispatcher, which unwraps and checks the tensors one by one: host time per parameter, several times
+the local step's, which sets the step time wherever the host is the bottleneck (CPU runs above all;
+on a GPU the step's own work mostly hides it). `torchrun --standalone --nproc-per-node 2
+scripts/bench_host.py` measures both paths; docs/performance.md has the figures.
 
 Everything else is torch's: hyperparameters, param groups, the state (moments stay DTensors, created
 by torch from the parameters, so Distributed Checkpoint saves and reshards them unchanged) and the

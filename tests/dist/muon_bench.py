@@ -1,9 +1,11 @@
 """Optimizer-step benchmark for Muon vs fused AdamW on Qwen2-shaped, Shard(0)-sharded matrices.
 
-usage (GPU, NCCL): torchrun --nproc-per-node N tests/dist/muon_bench.py [MODEL ...] [--profile DIR]
+usage (GPU, NCCL), from the repository root:
+    torchrun --nproc-per-node N -m tests.dist.muon_bench [MODEL ...] [--profile DIR]
 MODEL in {0.5b, 1.5b}. Only the hidden matrices are built (what Muon gets; embeddings go to AdamW
-either way). Reports median step times, the Newton–Schulz floor (this rank's owned matrices,
-batched, no communication) and achieved TFLOP/s. Not a test: it needs CUDA.
+either way). Reports median step times for a few bucket sizes and pipeline depths (``Muon.prefetch``)
+and with the folded Newton–Schulz (``FoldedMuon``), the Newton–Schulz floor (this rank's owned
+matrices, batched, no communication) and achieved TFLOP/s. Not a test: it needs CUDA.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from muonrun.optim.muon import Muon, newton_schulz
+from muonrun.optim import Muon, newton_schulz
+from tests.dist.muon_worker import FoldedMuon
 
 MODELS = {  # hidden, intermediate, layers, kv dim
     "0.5b": (896, 4864, 24, 128),
@@ -86,16 +89,19 @@ def main() -> None:
         log(f"fused AdamW step on the same matrices: {t_adamw:.2f} ms")
 
         results = {}
-        configs = [(1 << 28, 2, False), (1 << 28, 2, True), (1 << 26, 2, False), (1 << 28, 8, False)]
-        for bucket_numel, prefetch, compat in configs:
-            opt = Muon(
-                params,
-                lr=0.02,
-                adjust_lr_fn="match_rms_adamw",
-                bucket_numel=bucket_numel,
-                prefetch=prefetch,
-                torch_compatible_ns=compat,
+        # (bucket_numel, prefetch, folded): Muon's defaults first
+        configs = [
+            (1 << 28, 2, False),
+            (1 << 28, 2, True),
+            (1 << 26, 2, False),
+            (1 << 28, 1, False),
+            (1 << 28, 8, False),
+        ]
+        for bucket_numel, prefetch, folded in configs:
+            opt = (FoldedMuon if folded else Muon)(
+                params, lr=0.02, adjust_lr_fn="match_rms_adamw", bucket_numel=bucket_numel
             )
+            opt.prefetch = prefetch
             t = timed(opt.step)
             # host-side cost of issuing a step (the GPU runs behind)
             torch.cuda.synchronize()
@@ -103,10 +109,10 @@ def main() -> None:
             opt.step()
             host = (time.perf_counter() - h0) * 1e3
             torch.cuda.synchronize()
-            results[(bucket_numel, prefetch, compat)] = t
+            results[(bucket_numel, prefetch, folded)] = t
             log(
-                f"Muon step bucket_numel=2^{bucket_numel.bit_length() - 1} prefetch={prefetch} "
-                f"torch_compatible_ns={compat}: {t:.2f} ms "
+                f"{'FoldedMuon' if folded else 'Muon'} step bucket_numel=2^{bucket_numel.bit_length() - 1} "
+                f"prefetch={prefetch}: {t:.2f} ms "
                 f"(host issue {host:.1f} ms; {flops / world / (t * 1e-3) / 1e12:.0f} TFLOP/s/GPU effective)"
             )
         best = min(results, key=results.get)
@@ -130,7 +136,8 @@ def main() -> None:
         log(f"NS floor, polar_express 3 steps: {t3:.2f} ms")
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        opt = Muon(params, lr=0.02, bucket_numel=best[0], prefetch=best[1], torch_compatible_ns=best[2])
+        opt = (FoldedMuon if best[2] else Muon)(params, lr=0.02, bucket_numel=best[0])
+        opt.prefetch = best[1]
         opt.step()
         torch.cuda.synchronize()
         log(f"Muon step peak extra memory: {(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB")

@@ -1,0 +1,247 @@
+"""Newton–Schulz orthogonalisation and Muon's learning-rate scaling: pure functions of tensors.
+
+``newton_schulz(G)`` approximates the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in bf16;
+``adjust_lr`` scales the learning rate by the matrix shape; ``newton_schulz_flops`` counts the
+matmul FLOPs of one call (the dry-run plan uses it). Imports only torch.
+
+References
+----------
+- K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (blog, 2024),
+  https://kellerjordan.github.io/posts/muon/ -- the quintic iteration, its coefficients
+  (3.4445, -4.7750, 2.0315) and the ``original`` lr scaling ``sqrt(max(1, A/B))``.
+- J. Liu et al. (Moonshot AI), "Muon is Scalable for LLM Training", arXiv:2502.16982 -- the
+  ``match_rms_adamw`` lr scaling ``0.2 * sqrt(max(A, B))``.
+- N. Amsel et al., "The Polar Express: Optimal Matrix Sign Methods and Their Application to the
+  Muon Algorithm", arXiv:2505.16932 -- per-iteration coefficients (``"polar_express"``).
+- K. Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv:2504.13074 -- the ``spectral``
+  lr scaling ``sqrt(A/B)``.
+- J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
+  Algorithm for Muon" (blog, 2026), https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on
+  the Gram matrix ``X X^T``, stabilised by a restart (``gram=True``).
+
+``python scripts/gram_ns_numerics.py`` compares the standard and Gram forms with the exact polar
+factor in bf16; docs/performance.md has their cost on the presets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ADJUST_LR_FNS",
+    "DEFAULT_NS_COEFFICIENTS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "adjust_lr",
+    "gram_iterations",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "ns_iterations",
+    "resolve_ns_coefficients",
+    "standard_iterations",
+    "uses_gram_form",
+]
+
+DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+DEFAULT_EPS = 1e-7
+DEFAULT_NS_STEPS = 5
+
+# Polar Express, 5 iterations, as published in modded-nanogpt (arXiv:2505.16932). These already carry
+# the paper's safety factor; the input is normalised by ``1.02 * ||X||_F`` instead of ``||X||_F``.
+POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+POLAR_EXPRESS_NORM_SCALE = 1.02
+
+# Gram form: restart from the current X before this iteration, because without a restart the bf16
+# rounding in the Gram matrix compounds until the result is useless; with one before the third
+# iteration it is as close to the exact polar factor as the standard iteration
+# (scripts/gram_ns_numerics.py). It is used only for matrices at least GRAM_MIN_ASPECT times wider
+# than tall: on square ones it costs more FLOPs than the standard iteration.
+GRAM_RESTART = 2
+GRAM_MIN_ASPECT = 1.5
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
+
+Coefficients = tuple[float, float, float]
+NSCoefficients = Coefficients | Sequence[Coefficients] | str
+
+
+def resolve_ns_coefficients(
+    coefficients: NSCoefficients, steps: int
+) -> tuple[tuple[Coefficients, ...], float]:
+    """Per-iteration ``(a, b, c)`` for ``steps`` iterations and the normalisation scale.
+
+    ``coefficients`` is one ``(a, b, c)`` triple (used every iteration, as in torch.optim.Muon), a
+    sequence of triples (one per iteration, the last one repeated if ``steps`` is longer), or the
+    string ``"polar_express"``.
+    """
+    if steps < 0 or steps >= 100:
+        raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
+    norm_scale = 1.0
+    if isinstance(coefficients, str):
+        if coefficients != "polar_express":
+            raise ValueError(
+                f"unknown ns_coefficients {coefficients!r} (expected a triple or 'polar_express')"
+            )
+        table: Sequence = POLAR_EXPRESS_COEFFICIENTS
+        norm_scale = POLAR_EXPRESS_NORM_SCALE
+    elif len(coefficients) == 3 and all(isinstance(x, (int, float)) for x in coefficients):
+        table = [tuple(coefficients)]
+    else:
+        table = [tuple(t) for t in coefficients]
+        if (not table and steps > 0) or any(len(t) != 3 for t in table):
+            raise ValueError("ns_coefficients must be (a, b, c), a sequence of (a, b, c) or 'polar_express'")
+    per_step = tuple(tuple(float(x) for x in table[min(i, len(table) - 1)]) for i in range(steps))
+    return per_step, norm_scale  # type: ignore[return-value]
+
+
+def newton_schulz(
+    G: Tensor,
+    steps: int = DEFAULT_NS_STEPS,
+    coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
+    eps: float = DEFAULT_EPS,
+    *,
+    norm_scale: float | None = None,
+    fold_identity: bool = False,
+    gram: bool = False,
+) -> Tensor:
+    """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in bf16.
+
+    ``G`` is a matrix ``[rows, cols]`` or a stack ``[..., rows, cols]`` (every matrix normalised and
+    iterated independently, in one batched matmul per product). Same arithmetic as torch.optim.Muon's
+    ``_zeropower_via_newtonschulz``: cast to bf16, ``X /= max(||X||_F, eps)``, then per iteration
+    ``A = X X^T; B = b A + c A A; X = a X + B X`` on the wide orientation. A tall matrix (``rows >
+    cols``) is not transposed in memory: the same iteration is written ``A = X^T X; X = a X + X B^T``,
+    so every tensor stays contiguous and cuBLAS reads the transposes for free.
+    ``fold_identity=True`` evaluates ``a X + B X`` as ``(B + a I) X`` (see ``standard_iterations``);
+    ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``).
+    Returns a contiguous bf16 tensor of ``G``'s shape.
+    """
+    per_step, default_scale = resolve_ns_coefficients(coefficients, steps)
+    scale = default_scale if norm_scale is None else norm_scale
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+    rows, cols = G.shape[-2], G.shape[-1]
+    X = G.to(torch.bfloat16).reshape(-1, rows, cols)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    if scale != 1.0:
+        norm = norm * scale
+    X = X / norm.clamp(min=eps)  # new tensor: never writes into G
+    return ns_iterations(X, per_step, gram=gram, fold_identity=fold_identity).reshape(G.shape)
+
+
+def uses_gram_form(shape: Sequence[int], steps: int) -> bool:
+    """Whether ``gram=True`` takes the Gram form for a matrix of this shape (where it is cheaper)."""
+    m, n = sorted(shape[-2:])
+    return steps > 0 and n >= GRAM_MIN_ASPECT * m
+
+
+def ns_iterations(
+    X: Tensor, per_step: Sequence[Coefficients], *, gram: bool = False, fold_identity: bool = False
+) -> Tensor:
+    """Newton–Schulz on a normalised stack ``[k, rows, cols]``: with ``gram``, the Gram form where
+    ``uses_gram_form``; else the standard one. Returns a new contiguous tensor."""
+    if gram and uses_gram_form(X.shape, len(per_step)):
+        return gram_iterations(X, per_step)
+    return standard_iterations(X, per_step, fold_identity)
+
+
+def standard_iterations(X: Tensor, per_step: Sequence[Coefficients], fold_identity: bool = False) -> Tensor:
+    """Newton–Schulz iterations on a normalised bf16 stack ``[k, rows, cols]`` (returns a new tensor).
+
+    ``fold_identity=False`` computes ``a X + B X`` with ``baddbmm(X, B, X, beta=a)`` like
+    torch.optim.Muon; being out of place, that first copies the full-size ``X`` into its output,
+    every iteration. ``fold_identity=True`` computes ``(B + a I) X``: ``a`` goes onto the small
+    Gram-sized matrix and no full-size copy is made. The results differ by where one bf16 rounding
+    happens (the diagonal of ``B + a I`` is stored in bf16): about 2% of the output's norm, the same
+    as torch's own output moves when its input moves by one bf16 ulp, and equally close to the
+    exact polar factor.
+    """
+    tall = X.shape[-2] > X.shape[-1]
+    for a, b, c in per_step:
+        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)  # tall: the iteration on X^T
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        if fold_identity:
+            B.diagonal(dim1=-2, dim2=-1).add_(a)
+            X = torch.bmm(X, B.mT) if tall else torch.bmm(B, X)
+        else:
+            X = torch.baddbmm(X, X, B.mT, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+    return X.contiguous()
+
+
+def gram_iterations(
+    X: Tensor, per_step: Sequence[Coefficients], restart: int | None = GRAM_RESTART
+) -> Tensor:
+    """The same iterations on the Gram matrix of a normalised stack ``[k, rows, cols]``.
+
+    On the wide orientation ``m x n`` (``m < n``), with ``R = X X^T`` and ``Q = I``, each iteration
+    forms ``P = a I + b R + c R^2`` and updates ``Q <- P Q``, ``R <- P R P``; the result is ``Q X``.
+    In exact arithmetic that is the standard iteration (every P is a polynomial in the first R, so
+    they commute), but the n-sized products happen only at the start, at the restart (``X <- Q X``,
+    ``R <- X X^T`` before iteration ``restart``, which stops bf16 rounding in R from compounding)
+    and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5 iterations instead of 20 m^2 n + 10 m^3.
+    ``restart=None`` never restarts (for the numerics study, scripts/gram_ns_numerics.py).
+    """
+    tall = X.shape[-2] > X.shape[-1]
+
+    def gram(Y: Tensor) -> Tensor:
+        return torch.bmm(Y.mT, Y) if tall else torch.bmm(Y, Y.mT)
+
+    def apply(Q: Tensor, Y: Tensor) -> Tensor:  # Q X on the wide orientation
+        return torch.bmm(Y, Q.mT) if tall else torch.bmm(Q, Y)
+
+    R, Q = gram(X), None
+    last = len(per_step) - 1
+    for i, (a, b, c) in enumerate(per_step):
+        if i == restart and Q is not None:
+            X = apply(Q, X)
+            R, Q = gram(X), None
+        P = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        P.diagonal(dim1=-2, dim2=-1).add_(a)
+        Q = P if Q is None else torch.bmm(P, Q)
+        if i < last and i + 1 != restart:  # the next iteration needs R; a restart rebuilds it
+            R = torch.bmm(torch.bmm(P, R), P)
+    return apply(Q, X).contiguous()
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gram: bool = False) -> int:
+    """Matmul FLOPs of ``newton_schulz`` on one ``rows x cols`` matrix: per iteration, on the wide
+    orientation ``m x n`` (``m <= n``), ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n).
+    With ``gram`` (where it applies): the products ``gram_iterations`` makes."""
+    m, n = sorted(shape[-2:])
+    if not (gram and uses_gram_form(shape, steps)):
+        return steps * (4 * m * m * n + 2 * m**3)
+    restart = steps > GRAM_RESTART
+    flops = 2 * m * m * n * (2 + 2 * restart)  # X X^T, final Q X; restart: Q X and X X^T again
+    for i in range(steps):
+        fresh = i == 0 or (restart and i == GRAM_RESTART)  # Q = I: P Q costs nothing
+        keeps_r = i < steps - 1 and i + 1 != GRAM_RESTART
+        flops += 2 * m**3 * (1 + (not fresh) + 2 * keeps_r)
+    return flops
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """Scale ``lr`` for a matrix of ``shape = (A, B)`` (A = rows = fan-out, B = cols = fan-in).
+
+    - ``None`` or ``"original"`` (KellerJordan, torch's default): ``lr * sqrt(max(1, A / B))``
+    - ``"match_rms_adamw"`` (Moonlight): ``lr * 0.2 * sqrt(max(A, B))``
+    - ``"spectral"`` (dion's spectral-norm scaling): ``lr * sqrt(A / B)``
+    """
+    A, B = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, A / B))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(A, B))
+    elif adjust_lr_fn == "spectral":
+        ratio = math.sqrt(A / B)
+    else:
+        raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {ADJUST_LR_FNS}")
+    return lr * ratio
