@@ -209,7 +209,7 @@ def export(
     ] = "float32",
 ) -> None:
     """Write a Hugging Face folder (safetensors, config.json, tokenizer) from a muonrun checkpoint."""
-    from muonrun.checkpoint import export_hf
+    from muonrun.hf import export_hf
 
     out = export_hf(checkpoint, out_dir, dtype)
     print(f"Exported to {out}; load it with AutoModelForCausalLM.from_pretrained('{out}').")

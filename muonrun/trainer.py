@@ -9,19 +9,21 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from muonrun import faults
 from muonrun.agreement import Agreed, StepAgreement
-from muonrun.checkpoint import Checkpointer
+from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
 from muonrun.clip import clip_grad_norm
 from muonrun.config import Config
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
+from muonrun.hf import export_hf, load_pretrained
 from muonrun.metrics import Metrics
 from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
-from muonrun.optim import build_optimizers
+from muonrun.optim.build import build_optimizers
 from muonrun.parallelize import parallelize
 from muonrun.profiling import StepProfiler, phase
 from muonrun.schedule import lr_multiplier
@@ -109,8 +111,22 @@ class Trainer:
         self.agreement = StepAgreement()
         self.optimizer_time: Callable[[], float] | None = None
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
-        self.checkpointer = Checkpointer(cfg, self.dist)
-        self.checkpointer.load(self)
+
+        # Resume (or init_from) overwrites what was just initialised; a fresh start may take pretrained weights.
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint,
+            Path(cfg.output_dir) / "checkpoints",
+            self.dist,
+            states={
+                "model": ModelState(self.model),
+                "optim": OptimizerState(self.model, self.optimizers),
+                "train": self.state,
+            },
+            rank_states={"loader": self.loader, "rng": RNGState(self.dist.device)},
+            confirm=self.settle,
+        )
+        if self.checkpointer.load() is None and cfg.model.init == "pretrained":
+            load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
         self.metrics = Metrics(
             cfg,
             self.dist,
@@ -197,43 +213,49 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         self.metrics.start(self.state)
-        self.profiler = StepProfiler(cfg, self.dist)
-        while self.state.step < cfg.train.max_steps:
-            lr_mult = self.set_lr()
-            loss, grad_norm, data_wait = self.train_step()
-            self.state.step += 1
-            faults.after_step(self.state.step, self.dist.rank)  # MUONRUN_FAULT=kill@STEP / term@STEP
-            self.state.tokens_seen += self.tokens_per_step * self.dist.world_size
-            step = self.state.step
-            self.profiler.step()
-            log_now = step % cfg.logging.log_interval == 0 or step == cfg.train.max_steps
-            self.metrics.record(
-                self.state,
-                loss,
-                grad_norm,
-                lr_mult,
-                data_wait,
-                self.optimizers,
-                log=log_now,
-                optimizer_time=self.optimizer_time,
-            )
-            if cfg.train.eval_interval and (
-                step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps
-            ):
-                self.metrics.log_eval(self.state, self.evaluate())
-            if self.checkpointer.due(step):
-                self.settle()
-                self.checkpointer.save(self)
-            if self.checkpointer.stop_requested():
-                self.settle()
-                if not self.checkpointer.has(step):
-                    self.checkpointer.save(self)
-                self.metrics.note(f"Stopped by signal after step {step}; checkpoint saved. Rerun to resume.")
-                return
-        self.profiler.close()
-        self.settle()
-        if cfg.checkpoint.save_at_end and not self.checkpointer.has(self.state.step):
-            self.checkpointer.save(self)
+        profiler = StepProfiler(cfg, self.dist)
+        try:
+            while self.state.step < cfg.train.max_steps:
+                lr_mult = self.set_lr()
+                loss, grad_norm, data_wait = self.train_step()
+                self.state.step += 1
+                self.state.tokens_seen += self.tokens_per_step * self.dist.world_size
+                step = self.state.step
+                faults.after_step(step, self.dist.rank)  # MUONRUN_FAULT=kill@STEP / term@STEP
+                profiler.step()
+                last = step == cfg.train.max_steps
+                self.metrics.record(
+                    self.state,
+                    loss,
+                    grad_norm,
+                    lr_mult,
+                    data_wait,
+                    self.optimizers,
+                    log=last or step % cfg.logging.log_interval == 0,
+                    optimizer_time=self.optimizer_time,
+                )
+                if cfg.train.eval_interval and (last or step % cfg.train.eval_interval == 0):
+                    self.metrics.log_eval(self.state, self.evaluate())
+                if self.checkpointer.after_step(step, last):
+                    self.metrics.note(
+                        f"Stopped by signal after step {step}; checkpoint saved. Rerun to resume."
+                    )
+                    return
+            self.settle()
+        finally:
+            profiler.close()
+
+    def finish(self) -> None:
+        """After training ended normally (collective): publish a pending async save; export if asked."""
+        self.checkpointer.finish()
+        step, cfg = self.state.step, self.cfg
+        if cfg.checkpoint.export_at_end and step >= cfg.train.max_steps:
+            if self.dist.is_main:
+                out = export_hf(
+                    Path(cfg.output_dir) / "checkpoints" / f"step-{step}", Path(cfg.output_dir) / "hf"
+                )
+                self.metrics.note(f"Exported a Hugging Face model to {out}")
+            torch.distributed.barrier()
 
     def close(self) -> None:
         self.metrics.close()
@@ -249,7 +271,7 @@ def run_worker(config_yaml: str) -> None:
     trainer = Trainer(cfg)
     try:
         trainer.train()
-        trainer.checkpointer.finish(trainer)  # publish a pending async save; export_at_end
+        trainer.finish()
     finally:
         trainer.close()
         destroy()

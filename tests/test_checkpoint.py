@@ -263,7 +263,7 @@ def test_nan_stops_before_the_update_and_keeps_the_checkpoint(adamw_ref, tmp_pat
 def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from muonrun.checkpoint import read_run_config
+    from muonrun.hf import read_run_config
     from muonrun.model import build_hf_config
 
     step = adamw_ref / "checkpoints" / f"step-{STEPS}"

@@ -1,0 +1,40 @@
+"""Checkpoints: `checkpointer` (save, publish, verify-then-load, prune), `files` (layout on disk and
+the checksum manifest), `safe` (reading without unpickling arbitrary objects), `states` (the stateful
+parts), `stop` (stop requests). See docs/checkpoints.md.
+"""
+
+from muonrun.checkpoint.checkpointer import WRITER_THREADS, Checkpointer, rank_state_file
+from muonrun.checkpoint.files import (
+    META,
+    DamagedCheckpoint,
+    checkpoints_of,
+    complete_checkpoints,
+    is_complete,
+    read_meta,
+    resolve_checkpoint,
+    verify,
+)
+from muonrun.checkpoint.safe import UntrustedFile, load_model_tensors, load_rank_state
+from muonrun.checkpoint.states import ModelState, OptimizerState, RNGState
+from muonrun.checkpoint.stop import StopFlag
+
+__all__ = [
+    "META",
+    "WRITER_THREADS",
+    "Checkpointer",
+    "DamagedCheckpoint",
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
+    "StopFlag",
+    "UntrustedFile",
+    "checkpoints_of",
+    "complete_checkpoints",
+    "is_complete",
+    "load_model_tensors",
+    "load_rank_state",
+    "rank_state_file",
+    "read_meta",
+    "resolve_checkpoint",
+    "verify",
+]

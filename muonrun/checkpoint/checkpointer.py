@@ -1,0 +1,381 @@
+"""The checkpointer: saves the stateful parts it is handed into OUTPUT_DIR/checkpoints/step-N, complete or
+absent, and loads the newest one that verifies. See docs/checkpoints.md.
+
+    muonrun pretrain tiny checkpoint.interval=50     # saves step-50, step-100, ...; rerun to resume
+
+Save: every rank writes into `step-N.tmp/` (DCP for the sharded states, one `rankR.pt` for its own);
+after a barrier each rank hashes the files it wrote, rank 0 writes the manifest (`muonrun.json`) and
+renames the folder to `step-N/`. The rename is atomic, so a crash at any point leaves at most a `.tmp`
+folder, which loading ignores and the next run deletes. Old checkpoints are pruned only once
+`keep_last` intact newer ones exist.
+
+Load: `checkpoint.resume_from`, else the newest complete checkpoint of output_dir, else
+`checkpoint.init_from` (weights only). Each candidate is verified against its manifest first (the
+ranks split the reading); a damaged one is reported and skipped for the next newest, and is set aside
+as `step-N.damaged` (never deleted) if the run later saves that step again. A damaged `resume_from`
+or `init_from` is an error. Every file is read without unpickling arbitrary objects (safe.py).
+
+Stop requests (SIGTERM/SIGUSR1, Ctrl-C) only set a flag; ranks agree on it after every step, save at
+that step and stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from muonrun import __version__, faults
+from muonrun.checkpoint.files import (
+    META,
+    STEP_DIR,
+    Verdict,
+    complete_checkpoints,
+    fsync_dir,
+    hash_files,
+    read_meta,
+    resolve_checkpoint,
+    seal,
+    step_of,
+    verify,
+    write_synced,
+)
+from muonrun.checkpoint.safe import load_rank_state, safe_load
+from muonrun.checkpoint.stop import StopFlag
+from muonrun.config import CheckpointConfig
+from muonrun.distributed import Dist
+from muonrun.errors import UserError
+
+# Threads writing each rank's share (DCP's FileSystemWriter: one file per thread). DCP's default of one
+# leaves a fast disk idle; four reach a local NVMe disk's fsynced write speed, more do not help
+# (docs/performance.md, "Checkpoints").
+WRITER_THREADS = 4
+
+
+def storage_writer(path: Path) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(path, thread_count=WRITER_THREADS)
+
+
+def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
+    """The data-loader/RNG file a rank resumes from. Same world size: its own. Otherwise rank 0's: a
+    map-style loader's position is a global cursor, identical on every rank, so it serves any new rank;
+    a streaming loader's position is per rank and its load_state_dict refuses the mismatch with a
+    UserError (resume streaming data on the same number of ranks)."""
+    saved_by = read_meta(checkpoint)["world_size"]
+    return checkpoint / f"rank{rank if saved_by == world_size else 0}.pt"
+
+
+def _log(msg: str, loud: bool = False) -> None:
+    print(f"muonrun: {'WARNING: ' if loud else ''}{msg}", file=sys.stderr if loud else sys.stdout, flush=True)
+
+
+class Checkpointer:
+    """Built from the parts it saves: `states` (sharded, through DCP; `states["train"]` holds `step`
+    and `tokens_seen`) and `rank_states` (this rank's own: data position, RNG). `confirm()` is called
+    before any save and raises if the step just taken must not be saved (a non-finite loss)."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        root: Path,
+        d: Dist,
+        states: dict,
+        rank_states: dict,
+        confirm: Callable[[], None] = lambda: None,
+    ):
+        self.cfg, self.root, self.dist = cfg, root, d
+        self.states, self.rank_states, self.confirm = states, rank_states, confirm
+        self.flag = StopFlag()
+        self._published: int | None = None
+        self._stopping = False
+        self._pending = None  # (step, tmp, final, tokens_seen, future) of an async save
+        self._damaged: set[Path] = set()  # found at load; set aside if the run saves their step again
+        self.timings = {"write_s": 0.0, "checksum_s": 0.0}  # of the last published save
+        # Async saves run their collectives in a background thread: give them their own gloo group so
+        # they never interleave with the training collectives on the default group.
+        self._pg = dist.new_group(backend="gloo") if cfg.async_save else None
+
+    # -- asked by the trainer after every step
+
+    def local_flags(self) -> list[float]:
+        """[this rank got a stop signal, this rank's async write is still running]. The trainer reduces
+        them (MAX) over all ranks in the one per-step collective it makes anyway, then hands the agreed
+        values to `agree`."""
+        writing = self._pending is not None and not self._pending[-1].done()
+        return [float(self.flag.raised is not None), float(writing)]
+
+    def agree(self, stop: float, writing: float) -> None:
+        """Act on the flags agreed by every rank: publish a finished async save (at the same step on
+        every rank) and remember whether to stop."""
+        if self._pending is not None and not writing:
+            self._finish_pending()
+        self._stopping = stop > 0
+
+    def after_step(self, step: int, last: bool) -> bool:
+        """Save when the interval says so, when a stop was requested, or after the last step
+        (checkpoint.save_at_end). Returns whether training must stop now."""
+        due = bool(self.cfg.interval) and step % self.cfg.interval == 0
+        if due or last or self._stopping:
+            self.confirm()  # may raise (non-finite step) or raise the stop flag
+            if (due or self._stopping or (last and self.cfg.save_at_end)) and not self.has(step):
+                self.save(step, last=last or self._stopping)
+        return self._stopping
+
+    def has(self, step: int) -> bool:
+        pending = self._pending is not None and self._pending[0] == step
+        return pending or self._published == step
+
+    # -- save
+
+    def save(self, step: int, last: bool = True) -> Path:
+        """Write step-N.tmp on every rank, then publish it as step-N (collective). `last`: write
+        synchronously even with checkpoint.async_save (the run ends right after)."""
+        self._finish_pending()
+        final, tmp = self.root / f"step-{step}", self.root / f"step-{step}.tmp"
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        own = {key: part.state_dict() for key, part in self.rank_states.items()}
+        own["world_size"] = self.dist.world_size
+        with open(tmp / f"rank{self.dist.rank}.pt", "wb") as f:
+            torch.save(own, f)
+            f.flush()
+        tokens_seen = int(self.states["train"].state_dict()["tokens_seen"])
+        state = {key: part.state_dict() for key, part in self.states.items()}
+        if self.cfg.async_save and not last:
+            # Staging copies the state to CPU memory before async_save returns; the write runs behind
+            # the next training steps and is published at the next save (or at the end).
+            response = dcp.async_save(state, storage_writer=storage_writer(tmp), process_group=self._pg)
+            future = getattr(response, "upload_completion", response)
+            self._pending = (step, tmp, final, tokens_seen, future)
+            faults.during_save(step, self.dist.rank)
+            return final
+        started = time.perf_counter()
+        dcp.save(state, storage_writer=storage_writer(tmp))
+        faults.during_save(step, self.dist.rank)
+        self._publish(step, tmp, final, tokens_seen, time.perf_counter() - started)
+        return final
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, tmp, final, tokens_seen, future = self._pending
+        self._pending = None
+        started = time.perf_counter()
+        future.result()
+        self._publish(step, tmp, final, tokens_seen, time.perf_counter() - started)
+
+    def _own_files(self, tmp: Path) -> list[Path]:
+        """The files this rank wrote (DCP names its files `__RANK_THREAD.distcp`); rank 0 also the metadata."""
+        r = self.dist.rank
+        mine = [tmp / f"rank{r}.pt", *sorted(tmp.glob(f"__{r}_*.distcp"))]
+        return [*mine, tmp / ".metadata"] if self.dist.is_main else mine
+
+    def _publish(self, step: int, tmp: Path, final: Path, tokens_seen: int, seconds: float) -> None:
+        dist.barrier()  # every rank's files are written and closed
+        started = time.perf_counter()
+        hashes = [None] * self.dist.world_size
+        dist.all_gather_object(hashes, hash_files(self._own_files(tmp)))
+        hash_seconds = time.perf_counter() - started
+        self.timings = {"write_s": seconds, "checksum_s": hash_seconds}
+        if self.dist.is_main:
+            self._check_shared(tmp)
+            files = {name: entry for part in hashes for name, entry in part.items()}
+            unhashed = [p for p in tmp.iterdir() if p.name not in files]
+            files.update(hash_files(unhashed))
+            meta = {
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "world_size": self.dist.world_size,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "torch": torch.__version__,
+                "muonrun": __version__,
+                "files": files,
+            }
+            write_synced(tmp / META, json.dumps(seal(meta), indent=1).encode())
+            replaced = None
+            if final.exists():  # a rerun from an earlier checkpoint reaches this step again
+                if final in self._damaged:
+                    aside = final.with_name(f"{final.name}.damaged")
+                    shutil.rmtree(aside, ignore_errors=True)
+                    final.rename(aside)
+                    _log(f"the damaged {final} was set aside as {aside.name} (not deleted)", loud=True)
+                else:
+                    replaced = final.with_name(f"{final.name}.replaced")
+                    shutil.rmtree(replaced, ignore_errors=True)
+                    final.rename(replaced)
+            tmp.rename(final)  # the publish: atomic on POSIX filesystems, Lustre, GPFS and NFS
+            fsync_dir(self.root)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            self._prune()
+            _log(f"checkpoint {final} saved ({seconds:.1f}s, checksums {hash_seconds:.1f}s)")
+        dist.barrier()
+        self._published = step
+
+    def _check_shared(self, tmp: Path, wait_s: float = 30.0) -> None:
+        """Every rank's file must be visible to rank 0; otherwise output_dir is node-local."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(self.dist.world_size) if not (tmp / f"rank{r}.pt").is_file()]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"Rank 0 cannot see the checkpoint files of ranks {missing[:8]} in '{tmp}': output_dir must "
+                    "be on a filesystem shared by every node (set output_dir to a shared path)."
+                )
+            time.sleep(0.5)
+
+    def _prune(self) -> None:
+        """Delete a checkpoint only once `keep_last` newer checkpoints are intact (names and sizes as
+        their manifests say): pruning never takes the last good one. Damaged ones are left alone."""
+        found = complete_checkpoints(self.root)
+        intact = [p for p in found if p not in self._damaged and verify(p, hash_contents=False).ok]
+        if len(intact) <= self.cfg.keep_last:
+            return
+        oldest_kept = step_of(intact[-self.cfg.keep_last])
+        for old in intact:
+            if step_of(old) < oldest_kept:
+                doomed = old.with_name(f"{old.name}.deleting")  # never a half-deleted step-N folder
+                old.rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+
+    # -- load
+
+    def _candidates(self) -> list:
+        """[(kind, path, explicit)] to try in order, decided on rank 0 and broadcast."""
+        ck = self.cfg
+        result: list = []
+        if self.dist.is_main:
+            for junk in self.root.glob("step-*.*") if self.root.is_dir() else []:
+                if junk.is_dir() and junk.suffix in (".tmp", ".deleting", ".replaced"):
+                    shutil.rmtree(junk, ignore_errors=True)  # leftovers of an interrupted save or prune
+            found = complete_checkpoints(self.root)
+            try:
+                if ck.resume_from:
+                    result = [("resume", str(resolve_checkpoint(ck.resume_from)), True)]
+                elif found:
+                    result = [("resume", str(p), False) for p in reversed(found)]
+                elif ck.init_from:
+                    result = [("init", str(resolve_checkpoint(ck.init_from)), True)]
+            except UserError as e:  # raised on every rank below, not on rank 0 alone
+                result = [
+                    ("error", f"checkpoint.{'resume_from' if ck.resume_from else 'init_from'}: {e}", True)
+                ]
+            if result and result[0][0] == "resume" and ck.init_from:
+                _log(
+                    f"checkpoint.init_from='{ck.init_from}' is IGNORED: resuming from {result[0][1]} instead "
+                    "(a run resumes its own checkpoints; use a new output_dir to start from init_from).",
+                    loud=True,
+                )
+        box = [result]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _verify(self, path: Path) -> Verdict:
+        """Verify on every rank at once, each hashing its share of the files (collective)."""
+        verdict = verify(path, share=(self.dist.rank, self.dist.world_size))
+        problems = [verdict.problems]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            problems = [None] * self.dist.world_size
+            dist.all_gather_object(problems, verdict.problems)
+        verdict.problems = list(dict.fromkeys(p for part in problems for p in part))
+        return verdict
+
+    def _choose(self) -> tuple[str, Path] | None:
+        candidates = self._candidates()
+        skipped = []
+        for kind, path, explicit in candidates:
+            if kind == "error":
+                raise UserError(path)
+            path = Path(path)
+            verdict = self._verify(path)
+            if verdict.ok:
+                if self.dist.is_main and not verdict.checked:
+                    _log(
+                        f"{path} has no checksums (an older muonrun wrote it): loaded unverified.", loud=True
+                    )
+                if self.dist.is_main and skipped:
+                    _log(f"resuming from {path}, the newest checkpoint that verifies.", loud=True)
+                return kind, path
+            error = verdict.error()
+            if explicit:
+                raise error
+            self._damaged.add(path)
+            skipped.append(path)
+            if self.dist.is_main:
+                _log(f"{error} Skipped: trying the next newest checkpoint.", loud=True)
+        if skipped:
+            raise UserError(
+                f"No checkpoint in '{self.root}' verifies ({', '.join(p.name for p in skipped)} are damaged, see "
+                "above), so this run cannot resume. Restore them from a copy, or move them away to start over."
+            )
+        return None
+
+    def load(self) -> Path | None:
+        """Resume everything, or (checkpoint.init_from) the model's weights only; the checkpoint used,
+        or None for a fresh start."""
+        choice = self._choose()
+        if choice is None:
+            return None
+        kind, path = choice
+        if kind == "init":
+            self._dcp_load({"model": self.states["model"]}, path)
+            if self.dist.is_main:
+                _log(
+                    f"weights initialised from {path} (checkpoint.init_from; optimizer and data start fresh)"
+                )
+            return path
+        self._dcp_load(dict(self.states), path)
+        own = load_rank_state(rank_state_file(path, self.dist.rank, self.dist.world_size))
+        for key, part in self.rank_states.items():
+            part.load_state_dict(own[key])
+        step = int(self.states["train"].state_dict()["step"])
+        self._published = step
+        if self.dist.is_main:
+            saved_by = read_meta(path)["world_size"]
+            resharded = f" (saved by {saved_by} ranks, resharded)" if saved_by != self.dist.world_size else ""
+            _log(f"resumed from {path} at step {step}{resharded}")
+        return path
+
+    @staticmethod
+    def _dcp_load(state: dict, path: Path) -> None:
+        try:
+            safe_load(state, path)
+        except UserError:
+            raise
+        except Exception as e:  # a different model or optimizer than the one that wrote it
+            raise UserError(
+                f"Checkpoint '{path}' does not fit this run's model/optimizer: {str(e).splitlines()[0][:300]} "
+                "Resume with the same model and optimizer.name, or start a new output_dir "
+                "(checkpoint.init_from loads weights only)."
+            ) from None
+
+    # -- end
+
+    def finish(self) -> None:
+        """After a normal end of training (collective): publish a pending async save."""
+        self._finish_pending()
+
+    def close(self) -> None:
+        """Also runs after an error: an unpublished async save is waited for (best effort) but never
+        published, since the other ranks may be gone."""
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending[-1].result(timeout=600)
+            self._pending = None
+        self.flag.restore()
+
+
+__all__ = ["STEP_DIR", "WRITER_THREADS", "Checkpointer", "rank_state_file", "storage_writer"]

@@ -1,0 +1,200 @@
+"""A checkpoint on disk: where checkpoints are, which are complete, and whether their bytes are intact.
+
+A checkpoint is a folder OUTPUT_DIR/checkpoints/step-N holding DCP's `.metadata` and `__R_T.distcp`
+files, one `rankR.pt` per rank (data-loader position and RNG states) and `muonrun.json`, written last
+by rank 0 before the folder is renamed from `step-N.tmp` into place. `muonrun.json` carries the
+manifest: the size and SHA-256 of every other file, each hashed by the rank that wrote it, plus a
+checksum of the manifest itself. `verify` compares a folder with its manifest, so a checkpoint
+damaged after it was written (a bad disk, a partial copy, a flaky network filesystem) is found
+before any byte of it is loaded.
+
+    muonrun checkpoint verify runs/tiny            # every complete checkpoint of a run
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from muonrun.errors import UserError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+META = "muonrun.json"
+# Files hashed at once per rank: hashlib releases the GIL on large buffers, so a rank's few files
+# hash in parallel (each thread reads a file the save has just written, mostly from the page cache).
+HASH_THREADS = 4
+_CHUNK = 16 << 20
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def is_complete(path: Path) -> bool:
+    """Published by rank 0: a `step-N` name, DCP's `.metadata` and our `muonrun.json`."""
+    return bool(STEP_DIR.match(path.name)) and (path / ".metadata").is_file() and (path / META).is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under OUTPUT_DIR/checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete step-N folder, or a run folder / its checkpoints folder (-> the latest complete one)."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    for root in (path / "checkpoints", path):
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1]
+    if path.name.endswith(".tmp") or (path.is_dir() and STEP_DIR.match(path.name)):
+        raise UserError(
+            f"Checkpoint '{path}' is incomplete (its save was interrupted); use an earlier step-N folder."
+        )
+    raise UserError(
+        f"'{path}' is not a muonrun checkpoint: give a complete OUTPUT_DIR/checkpoints/step-N folder "
+        "(with .metadata and muonrun.json inside), or a run folder that holds one."
+    )
+
+
+def checkpoints_of(path: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint a path names: itself, or all of a run folder's / checkpoints folder's."""
+    path = Path(path)
+    if is_complete(path):
+        return [path]
+    for root in (path / "checkpoints", path):
+        found = complete_checkpoints(root)
+        if found:
+            return found
+    return [resolve_checkpoint(path)]  # raises the right UserError
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_files(paths: Iterable[Path]) -> dict[str, dict]:
+    """{file name: {"bytes": size, "sha256": hex}} of files in one folder, HASH_THREADS at a time."""
+    paths = list(paths)
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digests = list(pool.map(sha256_file, paths))
+    return {p.name: {"bytes": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests, strict=True)}
+
+
+def _manifest_checksum(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def seal(meta: dict) -> dict:
+    """`meta` with the checksum of its own contents added (so a damaged manifest is found too)."""
+    return {**meta, "manifest_sha256": _manifest_checksum(meta)}
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint whose files do not match what its save wrote."""
+
+
+def read_meta(checkpoint: Path) -> dict:
+    """The checkpoint's `muonrun.json`, checked against its own checksum when it has one."""
+    path = checkpoint / META
+    try:
+        meta = json.loads(path.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            raise ValueError("not a muonrun.json object with a step")
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(
+            f"Checkpoint '{checkpoint}' is damaged: its {META} cannot be read ({str(e).splitlines()[0]})."
+        ) from None
+    if "manifest_sha256" in meta and meta["manifest_sha256"] != _manifest_checksum(meta):
+        raise DamagedCheckpoint(
+            f"Checkpoint '{checkpoint}' is damaged: its {META} does not match its own checksum (its bytes "
+            "changed after the save)."
+        )
+    return meta
+
+
+@dataclass
+class Verdict:
+    """What `verify` found: problems (empty when intact) and whether there was a manifest to check."""
+
+    checkpoint: Path
+    problems: list[str] = field(default_factory=list)
+    checked: bool = True  # False: written without a manifest, nothing to compare with
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def error(self) -> DamagedCheckpoint:
+        shown = "; ".join(self.problems[:3]) + (
+            f"; and {len(self.problems) - 3} more" if len(self.problems) > 3 else ""
+        )
+        return DamagedCheckpoint(
+            f"Checkpoint '{self.checkpoint}' is damaged: {shown}. Its files no longer match the checksums "
+            "written when it was saved (a bad disk, an incomplete copy, a flaky filesystem). Copy it again "
+            "from a good source, or use an earlier checkpoint."
+        )
+
+
+def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), hash_contents: bool = True) -> Verdict:
+    """Compare a checkpoint folder with its manifest. With `share=(r, n)` only every n-th file from
+    the r-th is hashed (ranks split the reading); the file list is always checked whole.
+    `hash_contents=False` checks names and sizes only (cheap)."""
+    verdict = Verdict(checkpoint)
+    try:
+        meta = read_meta(checkpoint)
+    except DamagedCheckpoint as e:
+        verdict.problems.append(f"{META} cannot be trusted ({str(e).split(': ', 1)[-1]})")
+        return verdict
+    expected: dict[str, dict] | None = meta.get("files")
+    if expected is None:
+        verdict.checked = False
+        return verdict
+    present = {p.name for p in checkpoint.iterdir() if p.name != META}
+    for name in sorted(set(expected) - present):
+        verdict.problems.append(f"{name} is missing")
+    for name in sorted(present - set(expected)):
+        verdict.problems.append(f"{name} is not one of the files its save wrote")
+    mine = sorted(set(expected) & present)[share[0] :: share[1]]
+    sized = []
+    for name in mine:
+        size = (checkpoint / name).stat().st_size
+        if size != expected[name]["bytes"]:
+            verdict.problems.append(f"{name} has {size:,} bytes, its save wrote {expected[name]['bytes']:,}")
+        else:
+            sized.append(checkpoint / name)
+    if hash_contents and sized:
+        for name, found in hash_files(sized).items():
+            if found["sha256"] != expected[name]["sha256"]:
+                verdict.problems.append(f"{name} has other contents than its save wrote (SHA-256 differs)")
+    return verdict
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
