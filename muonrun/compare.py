@@ -2,9 +2,12 @@
 
 Reads each run folder's metrics.jsonl (and config.yaml, saved by the launcher, for the labels), plots
 the EMA-smoothed training loss against steps, tokens and wall time, prints a table and writes it as
-Markdown next to the picture (FILE.md):
+Markdown next to the picture (FILE.md), then prints the absolute path of both files:
 
     muonrun compare runs/tiny-adamw runs/tiny-muon --out docs/img/compare-tiny.png
+
+A run is labelled `optimizer (name)`; runs that share a name (one config launched several times) are
+labelled by their run folder instead: its name, or as many parent folders as tell them apart.
 
 "Target" is the worse run's final (smoothed) loss; each run's steps, tokens and time to first reach it
 say how much sooner the better run got there.
@@ -31,10 +34,40 @@ class Run:
     evals: list[dict] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
     """Seconds of wall time at each training row, summed over the run's segments (resumes)."""
+    shown: str = ""
+    """What the table and legend call the run: `name`, or its folder when another run has the same name
+    (set by `tell_apart`)."""
 
     @property
     def label(self) -> str:
-        return f"{self.optimizer} ({self.name})"
+        return f"{self.optimizer} ({self.shown or self.name})"
+
+
+def folder_suffixes(paths: list[Path]) -> list[str]:
+    """Each (distinct) path's shortest trailing part that no other path ends with: the folder names `a`
+    and `b`, or `x/run`, `y/run` and `z` when two of the folders are named `run`."""
+    parts = [path.resolve().parts for path in paths]
+    suffixes = []
+    for i, own in enumerate(parts):
+        others = [p for j, p in enumerate(parts) if j != i]
+        depth = 1
+        while depth < len(own) and any(p[-depth:] == own[-depth:] for p in others):
+            depth += 1
+        suffixes.append(str(Path(*own[-depth:])))
+    return suffixes
+
+
+def tell_apart(runs: list[Run]) -> None:
+    """Set each run's `shown` name: its `name` when unique among `runs`, else its folder's suffix."""
+    by_name: dict[str, list[Run]] = {}
+    for run in runs:
+        by_name.setdefault(run.name, []).append(run)
+    for group in by_name.values():
+        if len(group) == 1:
+            group[0].shown = group[0].name
+            continue
+        for run, suffix in zip(group, folder_suffixes([run.path for run in group]), strict=True):
+            run.shown = suffix
 
 
 def _read_config(path: Path) -> dict:
@@ -128,7 +161,7 @@ def summarize(runs: list[Run], smoothing: float) -> tuple[list[dict], float]:
         hit = next(i for i, v in enumerate(curve) if v <= target)
         rows.append(
             {
-                "run": run.name,
+                "run": run.shown or run.name,
                 "optimizer": run.optimizer,
                 "steps": run.train[-1]["step"],
                 "tokens": run.train[-1]["tokens_seen"],
@@ -262,7 +295,8 @@ def plot(runs: list[Run], out: Path, smoothing: float, target: float, title: str
 def compare(
     run_dirs: list[str | Path], out: str | Path, smoothing: float = 0.6, title: str | None = None
 ) -> list[dict]:
-    """Load, summarize, plot to `out` (PNG), write `out` with .md, print the table; returns the table rows."""
+    """Load, summarize, plot to `out` (PNG), write `out` with .md, print the table and where both files
+    went (absolute paths: `out` may be the CLI's default in the current folder); returns the table rows."""
     if not run_dirs:
         raise UserError("Give at least one run folder to compare.")
     if not 0.0 <= smoothing < 1.0:
@@ -270,9 +304,23 @@ def compare(
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise UserError(f"--out '{out}' must be a .png file (the table is written next to it as .md).")
+    seen: dict[Path, str | Path] = {}
+    for path in run_dirs:
+        if (resolved := Path(path).resolve()) in seen:
+            raise UserError(
+                f"Run folder '{path}' is given twice (also as '{seen[resolved]}'); give each run once."
+            )
+        seen[resolved] = path
     runs = [load_run(path) for path in run_dirs]
+    tell_apart(runs)
     rows, target = summarize(runs, smoothing)
+    md = out.with_suffix(".md")
+    replaced = [f for f in (out, md) if f.exists()]
     plot(runs, out, smoothing, target, title)
-    out.with_suffix(".md").write_text(markdown_table(rows, target, smoothing))
+    md.write_text(markdown_table(rows, target, smoothing))
     print_comparison(rows, target)
+    for written, what in ((out, "the plot"), (md, "the table as Markdown")):
+        if written in replaced:
+            what += ", replacing the earlier file"
+        print(f"Wrote {written.resolve()} ({what})")
     return rows

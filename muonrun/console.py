@@ -4,6 +4,9 @@
 
     step    120/1000 loss 3.2104 lr 3.000e-04 grad_norm 0.812 tok/s 12,345 tok/s/dev 6,172 mfu 41.2% mem 12.30GiB step_time 0.530s data_wait 0.002s eta 0:07:42
     eval    100/1000 eval_loss 3.3011 eval_ppl 27.15 eval_time 4.1s
+
+With several optimizers (`optimizer.name=muon`: Muon for the hidden matrices, AdamW for the rest) each
+one's learning rate has its own field, named as in metrics.jsonl: `lr_muon 2.000e-02 lr_adamw 2.000e-04`.
 """
 
 from __future__ import annotations
@@ -30,12 +33,19 @@ def format_eta(seconds: float | None) -> str:
     return "?" if seconds is None else str(datetime.timedelta(seconds=round(seconds)))
 
 
+def lr_fields(row: dict) -> list[tuple[str, str]]:
+    """`lr`, or each optimizer's learning rate when the row has several (`lr_muon`, `lr_adamw`, ...: every
+    `lr_` key but the schedule's `lr_multiplier`), so that no optimizer's lr is hidden."""
+    per_optimizer = [(k, v) for k, v in row.items() if k.startswith("lr_") and k != "lr_multiplier"]
+    return [(k, f"{v:.3e}") for k, v in per_optimizer] or [("lr", f"{row['lr']:.3e}")]
+
+
 def step_fields(row: dict, max_steps: int, eta: float | None) -> list[tuple[str, str]]:
     """(label, value) pairs of one logged step, shared by both views; missing values are left out."""
     fields = [
         ("step", f"{row['step']:>6}/{max_steps}"),
         ("loss", f"{row['loss']:.4f}"),
-        ("lr", f"{row['lr']:.3e}"),
+        *lr_fields(row),
         ("grad_norm", f"{row['grad_norm']:.3f}"),
         ("tok/s", f"{row['tokens_per_s']:,.0f}"),
         ("tok/s/dev", f"{row['tokens_per_s_per_device']:,.0f}"),

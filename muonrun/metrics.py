@@ -1,5 +1,6 @@
 """Metrics: tokens/s, MFU and memory, reduced across ranks only on logged steps, written by rank 0 to
-OUTPUT_DIR/metrics.jsonl (and TensorBoard / Weights & Biases when asked) and shown on the console.
+OUTPUT_DIR/metrics.jsonl (and TensorBoard / Weights & Biases when asked: muonrun/sinks.py) and shown on
+the console (muonrun/console.py).
 
 Between logged steps nothing waits for the GPU: losses stay on the device and are summed there; the
 first row of each run (and of each resume) is `{"event": "start", ...}` with what `muonrun compare`
@@ -10,14 +11,10 @@ needs to label it. Try:
 
 from __future__ import annotations
 
-import json
 import platform
-import re
 import resource
-import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,105 +23,9 @@ import torch
 from muonrun.config import Config
 from muonrun.console import make_view
 from muonrun.distributed import Dist, HostCopy, all_reduce_max, all_reduce_mean, to_device
-from muonrun.errors import UserError
-
-# Dense (no sparsity) peak TFLOP/s per device from the vendors' datasheets: bf16 tensor cores, tf32 (fp32
-# matmuls when torch allows TF32) and plain fp32. A row matches when all its tokens are in the device name
-# (split on spaces and dashes); the first match wins, so the specific variants come before the generic ones.
-PEAK_TFLOPS: list[tuple[tuple[str, ...], dict[str, float]]] = [
-    (("GB200",), {"bf16": 2500.0, "tf32": 1250.0, "fp32": 80.0}),
-    (("B200",), {"bf16": 2250.0, "tf32": 1125.0, "fp32": 75.0}),
-    (("B100",), {"bf16": 1750.0, "tf32": 900.0, "fp32": 60.0}),
-    (("GH200",), {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    (("H200", "NVL"), {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
-    (("H200",), {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    (("H100", "NVL"), {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
-    (("H100", "PCIE"), {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2}),
-    (("H100",), {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    (("H800", "PCIE"), {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2}),
-    (("H800",), {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    (("H20",), {"bf16": 148.0, "tf32": 74.0, "fp32": 44.0}),
-    (("A100",), {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    (("A800",), {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    (("L40S",), {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6}),
-    (("L40",), {"bf16": 181.05, "tf32": 90.5, "fp32": 90.5}),
-    (("L4",), {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
-    (("A10",), {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
-    (("RTX", "4090"), {"bf16": 165.2, "tf32": 82.6, "fp32": 82.6}),
-    (("MI325X",), {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
-    (("MI300X",), {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
-    (("MI250X",), {"bf16": 383.0, "tf32": 95.7, "fp32": 95.7}),
-]
-_warned_devices: set[str] = set()
-
-
-def matmul_precision(param_dtype: str, device_type: str) -> str:
-    """Which column of PEAK_TFLOPS a run's matmuls use: `bf16`, `tf32` or `fp32` (mirrors parallelize's `auto`)."""
-    if param_dtype == "bfloat16" or (param_dtype == "auto" and device_type == "cuda"):
-        return "bf16"
-    return "tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"
-
-
-def lookup_peak_tflops(device_name: str, precision: str) -> float | None:
-    """Peak dense TFLOP/s of a device named like torch.cuda.get_device_name(); None, with one warning per
-    name, when the table does not know it (an invented number would make every MFU wrong)."""
-    tokens = set(re.split(r"[\s\-_]+", device_name.upper()))
-    for pattern, peaks in PEAK_TFLOPS:
-        if tokens.issuperset(pattern):
-            return peaks[precision]
-    if device_name not in _warned_devices:
-        _warned_devices.add(device_name)
-        warnings.warn(
-            f"Unknown device '{device_name}': MFU is not reported. Set logging.peak_tflops (its dense "
-            f"{precision} TFLOP/s) to report it.",
-            stacklevel=2,
-        )
-    return None
-
-
-def library_versions() -> dict[str, str]:
-    import transformers
-
-    from muonrun import __version__
-
-    versions = {
-        "muonrun": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-    if torch.version.cuda and torch.cuda.is_available():
-        versions["cuda"] = torch.version.cuda
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    return versions
-
-
-def gpu_names() -> list[str]:
-    """The names of this node's visible GPUs (empty on a CPU machine)."""
-    if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-
-
-def git_sha(*folders: Path | str) -> str | None:
-    """HEAD of the first folder that is in a git repository (`-dirty` when it has uncommitted changes to
-    tracked files); None when none is, or git is missing or slow. Never raises."""
-    for folder in folders:
-        try:
-            sha = subprocess.run(
-                ["git", "-C", str(folder), "rev-parse", "--short=12", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=2,
-                check=True,
-            ).stdout.strip()
-            dirty = subprocess.run(
-                ["git", "-C", str(folder), "diff", "--quiet", "HEAD", "--"], capture_output=True, timeout=2
-            ).returncode
-        except (OSError, subprocess.SubprocessError):
-            continue
-        return sha + ("-dirty" if dirty == 1 else "")
-    return None
+from muonrun.environment import git_sha, gpu_names, library_versions
+from muonrun.mfu import lookup_peak_tflops, matmul_precision
+from muonrun.sinks import make_sinks
 
 
 def memory_numbers(device: torch.device) -> dict[str, float]:
@@ -142,95 +43,12 @@ def memory_numbers(device: torch.device) -> dict[str, float]:
     }
 
 
-def _numbers(row: dict) -> dict[str, float]:
-    return {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-
-
-def _tags(row: dict) -> dict[str, float]:
-    """A train or eval row's numbers as TensorBoard / W&B tags: `train/loss`, `eval/loss`, `eval/ppl`, ..."""
-    section = "eval" if "eval_loss" in row else "train"
-    return {
-        f"{section}/{k.removeprefix('eval_')}": v
-        for k, v in _numbers(row).items()
-        if k not in ("step", "time")
-    }
-
-
-class JsonlSink:
-    """OUTPUT_DIR/metrics.jsonl: one JSON object per line, appended (a resumed run continues the file)."""
-
-    def __init__(self, path: Path):
-        self.file = open(path, "a")  # noqa: SIM115 - open for the whole run
-
-    def write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-class TensorBoardSink:
-    """OUTPUT_DIR/tensorboard: train rows under `train/`, eval rows under `eval/`, the start row as text."""
-
-    def __init__(self, folder: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UserError(
-                "logging.tensorboard is true but tensorboard is not installed: pip install 'muonrun[tensorboard]' "
-                "(or set logging.tensorboard=false)."
-            ) from None
-        self.writer = SummaryWriter(str(folder))
-
-    def write(self, row: dict) -> None:
-        if row.get("event") == "start":
-            self.writer.add_text("run", "```\n" + json.dumps(row, indent=2) + "\n```", row["step"])
-            return
-        for tag, value in _tags(row).items():
-            self.writer.add_scalar(tag, value, row["step"])
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class WandbSink:
-    """A Weights & Biases run named after the muonrun run; its id is kept in the run folder for resumes."""
-
-    def __init__(self, cfg: Config, out: Path):
-        import wandb
-        from omegaconf import OmegaConf
-
-        id_file = out / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-        id_file.write_text(run_id)
-        self.run = wandb.init(
-            project=cfg.logging.wandb_project,
-            entity=cfg.logging.wandb_entity,
-            name=cfg.name,
-            id=run_id,
-            resume="allow",
-            dir=str(out),
-            config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-        )
-        # Log against our step, not W&B's own counter, so a resumed run may re-log steps after its checkpoint.
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
-
-    def write(self, row: dict) -> None:
-        if row.get("event") == "start":
-            self.run.summary.update({f"start/{k}": v for k, v in _numbers(row).items()})
-            return
-        self.run.log({"step": row["step"], **_tags(row)})
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-def _wandb_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("wandb") is not None
+def optimizer_lrs(optimizers) -> dict[str, float]:
+    """`lr_<optimizer class>` for each optimizer when there are several (Muon + AdamW: `lr_muon`,
+    `lr_adamw`): their first group's learning rate. Empty for a single optimizer (`lr` says it all)."""
+    if len(optimizers) < 2:
+        return {}
+    return {f"lr_{type(o).__name__.lower()}": o.param_groups[0]["lr"] for o in optimizers}
 
 
 class Metrics:
@@ -257,19 +75,7 @@ class Metrics:
         self.sinks: list = []
         self.view = None
         if d.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.sinks.append(JsonlSink(self.out / "metrics.jsonl"))
-            if cfg.logging.tensorboard:
-                self.sinks.append(TensorBoardSink(self.out / "tensorboard"))
-            if cfg.logging.wandb_project:
-                if _wandb_installed():
-                    self.sinks.append(WandbSink(cfg, self.out))
-                else:
-                    warnings.warn(
-                        f"logging.wandb_project is '{cfg.logging.wandb_project}' but wandb is not installed "
-                        "(pip install wandb); not logging to Weights & Biases.",
-                        stacklevel=2,
-                    )
+            self.sinks = make_sinks(cfg, self.out)
             self.view = make_view(cfg.logging.console)
         elif cfg.logging.all_ranks:
             self.view = make_view("plain", prefix=f"[rank {d.rank}] ")
@@ -290,6 +96,12 @@ class Metrics:
         self._window_optimizer: list[Callable[[], float]] = []
         self._loss_sum: torch.Tensor | None = None
 
+    def tokens_at_max_steps(self, state) -> int:
+        """The tokens seen when the run reaches train.max_steps: those seen so far (restored from the
+        checkpoint, whatever world size saved it) plus the remaining steps at this launch's tokens/step."""
+        remaining = max(0, self.cfg.train.max_steps - state.step)
+        return state.tokens_seen + remaining * self.tokens_per_step_per_rank * self.dist.world_size
+
     def run_info(self, state) -> dict:
         """The start row: how this run (or resume) was set up, for the banner, `compare` and later readers."""
         c = self.cfg
@@ -302,6 +114,7 @@ class Metrics:
             "tokens_seen": state.tokens_seen,
             "max_steps": c.train.max_steps,
             "tokens_per_step": self.tokens_per_step_per_rank * self.dist.world_size,
+            "tokens_at_max_steps": self.tokens_at_max_steps(state),
             "world_size": self.dist.world_size,
             "mesh": dict(zip(self.dist.mesh.mesh_dim_names, self.dist.mesh.shape, strict=True)),
             "flops_per_token": self.flops_per_token,
@@ -347,12 +160,18 @@ class Metrics:
         s = c.schedule
         rows.append(("schedule", f"{s.name}, warmup {s.warmup_steps}, min lr ratio {s.min_lr_ratio:g}"))
         t = c.train
+        total = f"{t.max_steps:,} steps = {info['tokens_at_max_steps']:,} tokens"
+        if info["step"]:  # the steps before the resume may have run on another world size
+            remaining = max(0, t.max_steps - info["step"])
+            total += (
+                f" ({info['tokens_seen']:,} seen by step {info['step']:,} + {remaining:,} steps x "
+                f"{info['tokens_per_step']:,})"
+            )
         rows.append(
             (
                 "batch",
                 f"{t.micro_batch_size} seq x {t.grad_accum_steps} accum x {c.data.seq_len} tokens x "
-                f"{self.dist.world_size} ranks = {info['tokens_per_step']:,} tokens/step; "
-                f"{t.max_steps:,} steps = {info['tokens_per_step'] * t.max_steps:,} tokens",
+                f"{self.dist.world_size} ranks = {info['tokens_per_step']:,} tokens/step; {total}",
             )
         )
         mesh = " x ".join(f"{k}={v}" for k, v in info["mesh"].items())
@@ -434,6 +253,7 @@ class Metrics:
             "step": state.step,
             "loss": None,
             "lr": optimizers[0].param_groups[0]["lr"],
+            **optimizer_lrs(optimizers),
             "lr_multiplier": lr_mult,
             "grad_norm": None,
             "tokens_seen": state.tokens_seen,
@@ -446,8 +266,6 @@ class Metrics:
             "time": time.time(),
             "elapsed_s": now - self._t0,
         }
-        if len(optimizers) > 1:  # e.g. Muon + AdamW: each one's learning rate
-            row.update({f"lr_{type(o).__name__.lower()}": o.param_groups[0]["lr"] for o in optimizers})
         timings = self._window_optimizer
         eta = None
         if done_steps := state.step - self._start_step:

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from muonrun.cli import app
-from muonrun.compare import compare, ema, load_run, markdown_table, summarize
+from muonrun.compare import compare, ema, folder_suffixes, load_run, markdown_table, summarize, tell_apart
 from muonrun.errors import UserError
 
 
@@ -86,6 +86,45 @@ def test_load_run_labels_from_config_then_start_row(two_runs):
     assert a.wall == [10.0, 20.0, 30.0, 40.0] and b.wall == [20.0, 40.0, 60.0, 80.0]
 
 
+def one_config_run(folder, losses):
+    """A run of the config named `tiny` (config.yaml and start row): one of several launches of a preset."""
+    start = {"event": "start", "step": 0, "tokens_seen": 0, "time": 0.0, "name": "tiny", "optimizer": "muon"}
+    rows = [train_row(10 * (i + 1), loss, float(i + 1)) for i, loss in enumerate(losses)]
+    return write_run(folder, [start, *rows], config="name: tiny\noptimizer:\n  name: muon\n")
+
+
+def test_runs_sharing_a_name_are_labelled_by_their_folder(tmp_path, two_runs, capsys):
+    """Three runs of one config would be three identical `muon (tiny)` columns and legend entries: they
+    are told apart by their run folder; a run whose name is its own keeps it."""
+    folders = [
+        one_config_run(tmp_path / "lr-0.01", [4.0, 3.0]),
+        one_config_run(tmp_path / "lr-0.02", [4.0, 2.5]),
+        one_config_run(tmp_path / "lr-0.04", [4.0, 2.8]),
+    ]
+    rows = compare([*folders, two_runs[0]], tmp_path / "cmp.png", smoothing=0.0)
+    assert [r["run"] for r in rows] == ["lr-0.01", "lr-0.02", "lr-0.04", "a-adamw"]
+    assert (tmp_path / "cmp.md").read_text().splitlines()[0] == "| | lr-0.01 | lr-0.02 | lr-0.04 | a-adamw |"
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in ("lr-0.01", "lr-0.02", "lr-0.04", "a-adamw"))
+
+    runs = [load_run(f) for f in folders]
+    tell_apart(runs)
+    assert [r.label for r in runs] == ["muon (lr-0.01)", "muon (lr-0.02)", "muon (lr-0.04)"]
+
+
+def test_folders_with_one_name_are_labelled_with_their_parent(tmp_path):
+    runs = [
+        load_run(one_config_run(tmp_path / "node-a" / "run", [4.0, 3.0])),
+        load_run(one_config_run(tmp_path / "node-b" / "run", [4.0, 2.0])),
+        load_run(one_config_run(tmp_path / "node-b" / "other", [4.0, 2.0])),
+    ]
+    tell_apart(runs)
+    assert [r.label for r in runs] == ["muon (node-a/run)", "muon (node-b/run)", "muon (other)"]
+    # One path ends the other: the shorter needs its parent's parent to differ.
+    suffixes = folder_suffixes([tmp_path / "x" / "a", tmp_path / "y" / "x" / "a"])
+    assert suffixes == [f"{tmp_path.name}/x/a", "y/x/a"]
+
+
 def test_summary_numbers(two_runs):
     rows, target = summarize([load_run(p) for p in two_runs], smoothing=0.0)
     a, b = rows
@@ -159,15 +198,30 @@ def test_compare_writes_png_and_markdown(two_runs, tmp_path, capsys):
     assert md == markdown_table(rows, 2.2, 0.0)
     printed = capsys.readouterr().out
     assert "a-adamw" in printed and "b-muon" in printed and "1.33x" in printed
+    assert f"Wrote {out} (the plot)\n" in printed
+    assert f"Wrote {out.with_suffix('.md')} (the table as Markdown)\n" in printed
+
+    compare(list(two_runs), out, smoothing=0.0)
+    printed = capsys.readouterr().out
+    assert f"Wrote {out} (the plot, replacing the earlier file)\n" in printed
+    assert f"Wrote {out.with_suffix('.md')} (the table as Markdown, replacing the earlier file)\n" in printed
 
 
-def test_cli_compare(two_runs, tmp_path):
+def test_cli_compare(two_runs, tmp_path, monkeypatch):
     out = tmp_path / "c.png"
     result = CliRunner().invoke(
         app, ["compare", *map(str, two_runs), "--out", str(out), "--smoothing", "0.5"]
     )
     assert result.exit_code == 0, result.output
     assert out.is_file() and out.with_suffix(".md").is_file()
+
+    # Without --out: compare.png in the current folder, and the output says which folder that is.
+    monkeypatch.chdir(tmp_path / "a")
+    result = CliRunner().invoke(app, ["compare", *map(str, two_runs)])
+    assert result.exit_code == 0, result.output
+    assert f"Wrote {tmp_path / 'a' / 'compare.png'} (the plot)" in result.output
+    assert f"Wrote {tmp_path / 'a' / 'compare.md'} (the table as Markdown)" in result.output
+    assert (tmp_path / "a" / "compare.png").is_file()
 
 
 def test_user_errors(tmp_path, two_runs):
@@ -185,6 +239,8 @@ def test_user_errors(tmp_path, two_runs):
         compare(list(two_runs), tmp_path / "x.png", smoothing=1.0)
     with pytest.raises(UserError, match=r"\.png"):
         compare(list(two_runs), tmp_path / "x.pdf")
+    with pytest.raises(UserError, match=r"'.*a/' is given twice \(also as '.*a'\)"):
+        compare([two_runs[0], two_runs[1], f"{two_runs[0]}/"], tmp_path / "x.png")
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "does not exist" in result.output
 

@@ -1,26 +1,30 @@
-"""Metrics, console and MFU: rows in metrics.jsonl, FLOPs/token, the peak table, plain vs rich output.
+"""Metrics and console: rows in metrics.jsonl, plain vs rich output, the sinks, the start row and banner
+of a resume on another world size. MFU's FLOPs/token and peak table: tests/test_mfu.py.
 
-Metrics runs here against a real single-process gloo group; no training is launched.
+Metrics runs here against a real single-process gloo group; only the slow end-to-end test at the end
+launches training.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
 import re
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from muonrun import metrics as metrics_mod
+from muonrun import sinks
 from muonrun.config import load_config, to_object
 from muonrun.console import PlainView, RichView
 from muonrun.distributed import Dist
-from muonrun.metrics import Metrics, git_sha, lookup_peak_tflops, matmul_precision
+from muonrun.environment import git_sha
+from muonrun.metrics import Metrics
 
 ANSI = re.compile(r"\x1b\[")
 
@@ -147,8 +151,8 @@ def test_metrics_jsonl_rows(tmp_path, dist1, capsys):
 
 def test_step_time_counts_the_hosts_time_in_logging(tmp_path, dist1, monkeypatch):
     """A logged step's own work after its clock read (its reductions; on a GPU any wait for the device)
-    lands in the next step's window, not in none: step times add up to the wall clock. Until run 18 it
-    fell between windows, and a wait there made tokens/s look up to 16% better than they were."""
+    lands in the next step's window, not in none: step times add up to the wall clock. Time that fell
+    between windows would count in no step and make tokens/s look better than it is."""
     spent = 0.05
     real = metrics_mod.memory_numbers
 
@@ -231,105 +235,98 @@ def test_rich_view_renders_a_live_view():
     assert "2.5000" in out and "42.0%" in out and "eval_loss" in out and "5/10" in out
 
 
-def test_flops_per_token_hand_count():
-    from transformers import Qwen2Config
+class Muon(torch.optim.SGD):
+    """Stands in for muonrun's Muon: the row key comes from the optimizer's class name."""
 
-    from muonrun.model import flops_per_token
 
-    h, layers, heads, kv, inter, vocab, seq = 64, 2, 4, 2, 160, 96, 32
-    hf = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=h,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
+def muon_and_adamw():
+    return [
+        Muon([torch.zeros(1, requires_grad=True)], lr=0.02),
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.0002),
+    ]
+
+
+def test_plain_lines_show_each_optimizers_lr(tmp_path, dist1, capsys):
+    """With Muon + AdamW the plain line carries both learning rates under their metrics.jsonl names,
+    not only the first optimizer's under `lr`; a single optimizer keeps the one `lr` field."""
+    cfg = make_cfg(tmp_path)
+    m = Metrics(cfg, dist1, flops_per_token=1.0)
+    run_steps(m, cfg, [2.0, 1.0], [0.0, 0.0], muon_and_adamw())
+    m.close()
+    row = [r for r in read_rows(cfg) if "loss" in r][0]
+    assert (row["lr"], row["lr_muon"], row["lr_adamw"]) == (0.02, 0.02, 0.0002)
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert line.startswith("step      2/4 loss 1.5000 lr_muon 2.000e-02 lr_adamw 2.000e-04 grad_norm 1.500")
+    assert " lr " not in line
+
+    buf = io.StringIO()
+    single = {k: v for k, v in row.items() if k not in ("lr_muon", "lr_adamw")}  # one optimizer's row
+    PlainView(stream=buf).step(single, 4, None)
+    assert " lr 2.000e-02 grad_norm" in buf.getvalue() and "lr_" not in buf.getvalue()
+
+
+def test_rich_view_shows_each_optimizers_lr():
+    """The rich view's scrolling history and its live footer both carry Muon's and AdamW's lr."""
+    buf = io.StringIO()
+    view = RichView(force_terminal=True, file=buf)
+    view.start(0, 10)
+    row = {
+        "step": 5,
+        "loss": 2.5,
+        "lr": 0.02,
+        "lr_muon": 0.02,
+        "lr_adamw": 0.0002,
+        "lr_multiplier": 1.0,
+        "grad_norm": 0.7,
+        "tokens_per_s": 2000.0,
+        "tokens_per_s_per_device": 1000.0,
+        "step_time": 0.1,
+        "data_wait_time": 0.0,
+    }
+    view.step(row, 10, eta=0.5)
+    footer = view.latest.plain
+    view.close()
+    history = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())  # without colours and cursor moves
+    assert "loss 2.5000  lr_muon 2.000e-02  lr_adamw 2.000e-04  grad_norm 0.700" in footer
+    assert "step      5/10 loss 2.5000 lr_muon 2.000e-02 lr_adamw 2.000e-04 grad_norm 0.700" in history
+    assert "lr_multiplier" not in footer and "lr_multiplier" not in history
+
+
+def test_resume_on_another_world_size_counts_tokens_of_both_launches(tmp_path, dist1, capsys):
+    """Steps 1-6 on 2 ranks, resumed at step 6 on 3 ranks up to step 9 (as `--nproc-per-node 2`, then 3):
+    the second banner's total and the start row's tokens_at_max_steps are the tokens of the first
+    launch (restored with the step) plus the second's, not max_steps x the new tokens per step."""
+    per_rank = 2 * 3 * 16  # make_cfg: micro-batch 2 x accumulation 3 x seq 16
+
+    def launch(world, state, max_steps):
+        cfg = make_cfg(tmp_path, f"train.max_steps={max_steps}")
+        m = Metrics(cfg, dataclasses.replace(dist1, world_size=world), flops_per_token=1.0)
+        m.start(state)
+        while state.step < max_steps:
+            state.step += 1
+            state.tokens_seen += per_rank * world  # as the trainer counts them
+            m.record(state, torch.tensor(1.0), torch.tensor(1.0), 1.0, 0.0, muon_and_adamw(), log=True)
+        m.close()
+        return cfg
+
+    state = State()
+    launch(2, state, 6)
+    first = capsys.readouterr().out
+    assert state.tokens_seen == 6 * 2 * per_rank
+    cfg = launch(3, State(state.step, state.tokens_seen), 9)
+    second = capsys.readouterr().out
+
+    both = 6 * 2 * per_rank + 3 * 3 * per_rank  # 1152 + 864
+    starts = [r for r in read_rows(cfg) if r.get("event") == "start"]
+    last = [r for r in read_rows(cfg) if "loss" in r][-1]
+    assert last["tokens_seen"] == both
+    assert [r["tokens_at_max_steps"] for r in starts] == [6 * 2 * per_rank, both]
+    assert starts[1]["tokens_seen"] == 6 * 2 * per_rank and starts[1]["world_size"] == 3
+    assert "x 2 ranks = 192 tokens/step; 6 steps = 1,152 tokens\n" in first
+    assert (
+        "x 3 ranks = 288 tokens/step; 9 steps = 2,016 tokens (1,152 seen by step 6 + 3 steps x 288)" in second
     )
-    head_dim = h // heads  # 16
-    q_o = 2 * h * h  # 8192
-    k_v = 2 * h * kv * head_dim  # 4096
-    mlp = 3 * h * inter  # 30720
-    matmul_params = layers * (q_o + k_v + mlp) + h * vocab  # 86016 + 6144 = 92160
-    assert matmul_params == 92160
-    # Forward: 2 FLOPs per weight per token, plus scores (QK^T) and values (AV), 2*seq*h each per layer,
-    # halved by the causal mask; training is forward + backward = 3x forward.
-    attention = layers * 2 * (2 * seq * h) / 2
-    expected = 3 * (2 * matmul_params + attention)
-    assert expected == 3 * (184320 + 8192) == 577536
-    assert flops_per_token(hf, seq) == expected
-
-
-def test_flops_per_token_matches_torch_flop_counter():
-    """torch's FlopCounterMode on one forward + backward of the real model (eager attention, which counts
-    the full seq x seq scores): equal to ours once the causal half of the attention FLOPs is added back."""
-    from torch.utils.flop_counter import FlopCounterMode
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from muonrun.model import flops_per_token
-
-    seq = 32
-    hf = Qwen2Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
-    with FlopCounterMode(display=False) as counter:
-        model(input_ids=torch.randint(0, 96, (1, seq))).logits.float().sum().backward()
-    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
-    attention_full = counts["aten.bmm"]
-    assert flops_per_token(hf, seq) * seq == counter.get_total_flops() - attention_full / 2
-
-
-@pytest.mark.parametrize(
-    ("name", "precision", "expected"),
-    [
-        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
-        ("NVIDIA H100 PCIe", "bf16", 756.5),
-        ("NVIDIA H100 NVL", "fp32", 60.0),
-        ("NVIDIA H200", "bf16", 989.4),
-        ("NVIDIA H200", "tf32", 494.7),
-        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-        ("NVIDIA A100 80GB PCIe", "fp32", 19.5),
-        ("NVIDIA B200", "bf16", 2250.0),
-        ("NVIDIA GH200 480GB", "bf16", 989.4),
-        ("NVIDIA L40S", "bf16", 362.05),
-        ("NVIDIA L40", "bf16", 181.05),
-        ("NVIDIA L4", "fp32", 30.3),
-        ("NVIDIA GeForce RTX 4090", "bf16", 165.2),
-        ("AMD Instinct MI300X", "bf16", 1307.4),
-    ],
-)
-def test_peak_table_lookup(name, precision, expected):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert lookup_peak_tflops(name, precision) == expected
-
-
-def test_unknown_device_warns_once(monkeypatch):
-    monkeypatch.setattr(metrics_mod, "_warned_devices", set())
-    with pytest.warns(UserWarning, match="Unknown device 'NVIDIA Quantum Q9'.*logging.peak_tflops"):
-        assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
-
-
-def test_matmul_precision_follows_param_dtype():
-    assert matmul_precision("auto", "cuda") == "bf16"
-    assert matmul_precision("bfloat16", "cuda") == "bf16"
-    assert matmul_precision("float32", "cuda") == "fp32"  # torch's default: no TF32
-    assert matmul_precision("auto", "cpu") == "fp32"
-    previous = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("high")
-        assert matmul_precision("float32", "cuda") == "tf32"
-    finally:
-        torch.set_float32_matmul_precision(previous)
+    assert "2,592" not in second  # 9 steps x 288: the count that forgets the first launch ran on 2 ranks
 
 
 def test_git_sha_never_fails(tmp_path):
@@ -373,7 +370,7 @@ def test_wandb_sink_logs_the_same_rows(tmp_path, dist1, monkeypatch):
 
     fake = types.SimpleNamespace(init=init, util=types.SimpleNamespace(generate_id=lambda: "abc123"))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.setattr(metrics_mod, "_wandb_installed", lambda: True)
+    monkeypatch.setattr(sinks, "_wandb_installed", lambda: True)
     cfg = make_cfg(tmp_path, "logging.wandb_project=proj")
     m = Metrics(cfg, dist1, flops_per_token=1.0)
     state = run_steps(
@@ -390,7 +387,7 @@ def test_wandb_sink_logs_the_same_rows(tmp_path, dist1, monkeypatch):
 
 
 def test_wandb_missing_warns(tmp_path, dist1, monkeypatch):
-    monkeypatch.setattr(metrics_mod, "_wandb_installed", lambda: False)
+    monkeypatch.setattr(sinks, "_wandb_installed", lambda: False)
     cfg = make_cfg(tmp_path, "logging.wandb_project=proj")
     with pytest.warns(UserWarning, match="wandb is not installed"):
         m = Metrics(cfg, dist1, flops_per_token=1.0)
