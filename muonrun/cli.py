@@ -28,13 +28,13 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect configurations.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-err_console = Console(stderr=True, highlight=False)
+checkpoint_app = typer.Typer(help="Check checkpoints.", no_args_is_help=True)
+app.add_typer(checkpoint_app, name="checkpoint")
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)  # paths stay whole
 
 PresetArg = Annotated[
     str,
-    typer.Argument(
-        help=f"YAML config file, or a built-in preset name ({', '.join(preset_names())})."
-    ),
+    typer.Argument(help=f"YAML config file, or a built-in preset name ({', '.join(preset_names())})."),
 ]
 OverridesArg = Annotated[
     list[str] | None,
@@ -54,6 +54,11 @@ def user_errors(fn):
         except UserError as e:
             err_console.print(f"[bold red]muonrun:[/] {escape(str(e))}")
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:  # a second Ctrl-C (the first saves and stops cleanly)
+            err_console.print(
+                "[bold red]muonrun:[/] stopped by Ctrl-C; steps since the last checkpoint are lost."
+            )
+            raise typer.Exit(130) from None
 
     return wrapper
 
@@ -190,8 +195,7 @@ def compare(
     MFU, and the steps/tokens each run needed to reach the worse run's final loss."""
     from muonrun.compare import compare as compare_runs
 
-    compare_runs(run_dirs, out, smoothing=smoothing, title=title)
-    print(f"Wrote {out} and {out.removesuffix('.png')}.md")
+    compare_runs(run_dirs, out, smoothing=smoothing, title=title)  # prints where it wrote
 
 
 @app.command()
@@ -213,6 +217,39 @@ def export(
 
     out = export_hf(checkpoint, out_dir, dtype)
     print(f"Exported to {out}; load it with AutoModelForCausalLM.from_pretrained('{out}').")
+
+
+@checkpoint_app.command("verify")
+@user_errors
+def checkpoint_verify(
+    paths: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="PATH", help="Checkpoint folders step-N, or run folders (all their checkpoints)."
+        ),
+    ],
+) -> None:
+    """Compare every file of a checkpoint with the sizes and SHA-256 checksums written when it was saved
+    (e.g. after copying it between clusters). Exit code 1 if any checkpoint is damaged."""
+    from muonrun.checkpoint import checkpoints_of, read_meta, verify
+
+    damaged = 0
+    for path in paths:
+        for checkpoint in checkpoints_of(path):
+            verdict = verify(checkpoint)
+            if not verdict.ok:
+                damaged += 1
+                err_console.print(f"[bold red]damaged[/]     {escape(str(verdict.error()))}")
+            elif not verdict.checked:
+                print(
+                    f"unverified  {checkpoint}: written without checksums (an older muonrun), nothing to compare"
+                )
+            else:
+                files = read_meta(checkpoint)["files"]
+                size = sum(f["bytes"] for f in files.values()) / 2**30
+                print(f"ok          {checkpoint} ({len(files)} files, {size:.2f} GiB, all checksums match)")
+    if damaged:
+        raise typer.Exit(1)
 
 
 @app.command()

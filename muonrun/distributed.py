@@ -59,21 +59,16 @@ def pick_device_type(c: Config) -> str:
 
 def init_distributed(c: Config) -> Dist:
     """Initialise the default process group (gloo on CPU, nccl on GPU) and the data-parallel mesh."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     # Large, differently sized temporaries (loss chunks, Muon's buckets, FSDP2's gather buffers)
     # fragment the default CUDA caching allocator; expandable segments avoid the cudaMalloc retries
     # (torchtitan's default too). Read at the first CUDA allocation, so it must be set before it.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
+    # Under torch.distributed.run the environment names this worker; without it this is the single
+    # in-process worker: a world of one on an in-memory store (no port, nothing written to os.environ).
     rank, local_rank, world = (
-        int(os.environ["RANK"]),
-        int(os.environ["LOCAL_RANK"]),
-        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1))
     )
+    alone = "MASTER_ADDR" not in os.environ and world == 1
     device_type = pick_device_type(c)
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
@@ -84,7 +79,13 @@ def init_distributed(c: Config) -> Dist:
         c.launch.backend if c.launch.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
     )
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if device_type == "cuda" else None)
+        device_id = device if device_type == "cuda" else None
+        if alone:
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
+            )
+        else:
+            dist.init_process_group(backend=backend, device_id=device_id)
     replicate, shard = mesh_shape(c, world)
     if replicate == 1:
         mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=("dp_shard",))

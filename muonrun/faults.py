@@ -5,6 +5,7 @@
     MUONRUN_FAULT=kill@save:8      rank 0 SIGKILLs itself in the middle of step 8's checkpoint save
     MUONRUN_FAULT=term@6           rank 0 sends SIGTERM to the launcher after step 6 (like a scheduler
                                    preempting the job: the launcher forwards it to every worker)
+    MUONRUN_FAULT=int@6            rank 0 sends SIGINT to the launcher after step 6 (Ctrl-C); int2@6 twice
 
 Append `:rN` to pick another rank (`nan@7:r1`). A fault fires only in the first attempt of a job
 (TORCHELASTIC_RESTART_COUNT unset or 0), so `--max-restarts` can show the recovery.
@@ -16,18 +17,19 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
 
 ENV = "MUONRUN_FAULT"
 LAUNCHER_PID_ENV = "MUONRUN_LAUNCHER_PID"
-_SPEC = re.compile(r"^(nan|kill|term)@(save:)?(\d+)(?::r(\d+))?$")
+_SPEC = re.compile(r"^(nan|kill|term|int|int2)@(save:)?(\d+)(?::r(\d+))?$")
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # nan | kill | term
+    kind: str  # nan | kill | term | int | int2
     step: int
     at_save: bool = False
     rank: int = 0
@@ -39,7 +41,8 @@ def parse(spec: str | None) -> Fault | None:
     m = _SPEC.match(spec.strip())
     if not m or (m.group(2) and m.group(1) != "kill"):
         raise ValueError(
-            f"{ENV}='{spec}' is not one of nan@STEP, kill@STEP, kill@save:STEP, term@STEP (+ :rRANK)"
+            f"{ENV}='{spec}' is not one of nan@STEP, kill@STEP, kill@save:STEP, term@STEP, int@STEP, "
+            "int2@STEP (+ :rRANK)"
         )
     return Fault(m.group(1), int(m.group(3)), bool(m.group(2)), int(m.group(4) or 0))
 
@@ -62,11 +65,16 @@ def corrupt_loss(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
 
 
 def after_step(step: int, rank: int) -> None:
-    """`kill@STEP` and `term@STEP`, checked after step STEP's update."""
+    """`kill@STEP`, `term@STEP`, `int@STEP` and `int2@STEP`, checked after step STEP's update."""
     if _fires("kill", step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, os.getpid()))
     if _fires("term", step, rank):
-        os.kill(int(os.environ.get(LAUNCHER_PID_ENV, os.getpid())), signal.SIGTERM)
+        os.kill(launcher, signal.SIGTERM)
+    for i in range(_fires("int", step, rank) + 2 * _fires("int2", step, rank)):
+        if i:
+            time.sleep(1.0)  # a signal sent while the same one is pending is merged into it
+        os.kill(launcher, signal.SIGINT)
 
 
 def during_save(step: int, rank: int) -> None:

@@ -95,6 +95,24 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def check_output_dir(out: Path) -> None:
+    """output_dir must be a folder this node can create and write (checkpoints, metrics, logs)."""
+    import tempfile
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir '{out}' is a file, not a folder; set output_dir to a folder path.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".muonrun-write-check-"):
+            pass
+    except OSError as e:
+        raise UserError(
+            f"output_dir '{out}' cannot be written ({e.strerror or type(e).__name__}"
+            f"{': ' + e.filename if e.filename and str(e.filename) != str(out) else ''}); set output_dir to a "
+            "folder you can write, on a filesystem every node shares."
+        ) from None
+
+
 def launch(cfg: DictConfig) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.data import check_data
@@ -107,8 +125,8 @@ def launch(cfg: DictConfig) -> int:
     check_model(c.model, tokenizer.vocab_size, c.data.seq_len)
     config_yaml = to_yaml(cfg)
     out = Path(c.output_dir)
+    check_output_dir(out)
     if plan.node_rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(config_yaml)
     os.environ["MUONRUN_LAUNCHER_PID"] = str(os.getpid())  # where MUONRUN_FAULT=term@STEP sends SIGTERM
     if plan.in_process:
@@ -120,10 +138,11 @@ def launch(cfg: DictConfig) -> int:
             print(f"muonrun: {e}", file=sys.stderr, flush=True)
             return NON_FINITE_EXIT
         return 0
-    return _elastic(plan, config_yaml)
+    return _elastic(plan, config_yaml, out)
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+_interrupts = 0
 
 
 def _worker_pids() -> list[int]:
@@ -139,7 +158,7 @@ def _worker_pids() -> list[int]:
     return pids
 
 
-def _forward_to_workers(signum, frame) -> None:
+def _forward_to_workers(signum, frame, quiet: bool = False) -> None:
     """SIGTERM/SIGUSR1 to the launcher (SLURM preemption, `--signal`, `kill`): pass it on to the workers,
     which save a checkpoint at the current step and exit 0; the launcher then returns normally."""
     import signal
@@ -147,11 +166,81 @@ def _forward_to_workers(signum, frame) -> None:
     for pid in _worker_pids():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
-    name = signal.Signals(signum).name
-    print(f"muonrun: got {name}; the workers save a checkpoint and stop.", file=sys.stderr, flush=True)
+    if not quiet:
+        name = signal.Signals(signum).name
+        print(f"muonrun: got {name}; the workers save a checkpoint and stop.", file=sys.stderr, flush=True)
 
 
-def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
+def _interrupt_workers(signum, frame) -> None:
+    """Ctrl-C (which the workers ignore: they get it only through here, once). The first asks the
+    workers to save a checkpoint at the current step and stop, as SIGTERM does; the second kills them."""
+    import signal
+
+    global _interrupts
+    _interrupts += 1
+    if _interrupts == 1:
+        print(
+            "\nmuonrun: Ctrl-C: the workers save a checkpoint after this step, then stop "
+            "(Ctrl-C again stops at once, without saving).",
+            file=sys.stderr,
+            flush=True,
+        )
+        _forward_to_workers(signal.SIGTERM, frame, quiet=True)
+        return
+    _forward_to_workers(signal.SIGKILL, frame, quiet=True)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _reporting_restarts(output_dir: Path):
+    """While the elastic agent runs: before it restarts the workers (--max-restarts), say which rank
+    failed, how, and which checkpoint the restart resumes from. (The agent's own log says it only at
+    INFO level, without the reason, and muonrun silences the agent's logging.)"""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from muonrun.checkpoint import complete_checkpoints
+
+    monitor, restart = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers
+
+    def monitored(agent, group):
+        agent._muonrun_last = result = monitor(agent, group)
+        return result
+
+    def restarting(agent, group):
+        result = getattr(agent, "_muonrun_last", None)
+        failures = getattr(result, "failures", None) or {}
+        if failures:
+            rank, failure = min(failures.items())
+            how = (
+                f"killed by {failure.signal_name()}"
+                if failure.exitcode < 0
+                else f"exit code {failure.exitcode}"
+            )
+            message = (
+                failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+            )
+            reason = " ".join(str(message).split())[:300]
+            what = f"worker rank {rank} failed ({how}{': ' + reason if reason and 'Signal' not in reason else ''})"
+        else:
+            what = "a worker of another node failed"
+        found = complete_checkpoints(output_dir / "checkpoints")
+        resume = f"from {found[-1]}" if found else "from the start (no checkpoint yet)"
+        used = group.spec.max_restarts - agent._remaining_restarts
+        print(
+            f"muonrun: {what}; restarting the workers (restart {used} of {group.spec.max_restarts}), resuming {resume}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return restart(agent, group)
+
+    LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers = monitored, restarting
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers = monitor, restart
+
+
+def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -179,10 +268,13 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
     # SIGKILLs them 30 s later (and it leaves SIGUSR1 at its default: death). Keep SIGTERM and SIGUSR1
     # away from it and forward them instead, so the workers' checkpoint save can take as long as it needs.
     if hasattr(lc, "signals_to_handle"):
-        lc.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
+        lc.signals_to_handle = "SIGHUP,SIGQUIT"
     import signal
 
+    global _interrupts
+    _interrupts = 0
     previous = {name: signal.signal(getattr(signal, name), _forward_to_workers) for name in STOP_SIGNALS}
+    previous["SIGINT"] = signal.signal(signal.SIGINT, _interrupt_workers)
     # The agent logs each worker failure with its own traceback; muonrun reports failures itself below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
@@ -195,7 +287,8 @@ def _elastic(plan: LaunchPlan, config_yaml: str) -> int:
     if plan.nnodes > 1:
         _announce_node(plan, endpoint)
     try:
-        elastic_launch(lc, worker_entry)(config_yaml)
+        with _reporting_restarts(output_dir):
+            elastic_launch(lc, worker_entry)(config_yaml)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         if codes == {USER_ERROR_EXIT}:
@@ -243,6 +336,10 @@ def _announce_node(plan: LaunchPlan, endpoint: str) -> None:
 
 def worker_entry(config_yaml: str) -> None:
     """What each spawned worker runs: a user mistake exits 2 with one paragraph, anything else raises."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers through the launcher only
+
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from muonrun.trainer import NonFiniteError, run_worker

@@ -224,7 +224,10 @@ def test_muon_worker_crash_restarts_from_the_checkpoint_exactly(muon_ref, tmp_pa
             out, "optimizer.name=muon", "checkpoint.interval=4", fault="kill@6", extra=("--max-restarts", "1")
         )
     )
-    assert "step-4 at step 4" in text  # the restarted workers resumed (Muon momentum buffers included)
+    # the launcher says who failed and where the restart resumes; the restarted workers resumed there
+    # (Muon momentum buffers included)
+    assert "worker rank 0 failed (killed by SIGKILL); restarting the workers (restart 1 of 1)" in text
+    assert "resuming from" in text and "step-4 at step 4" in text
     assert_same_losses(out, muon_ref, first=5)
 
 

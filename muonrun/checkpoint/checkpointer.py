@@ -41,10 +41,10 @@ from muonrun.checkpoint.files import (
     complete_checkpoints,
     fsync_dir,
     hash_files,
+    prune,
     read_meta,
     resolve_checkpoint,
     seal,
-    step_of,
     verify,
     write_synced,
 )
@@ -208,6 +208,7 @@ class Checkpointer:
                     aside = final.with_name(f"{final.name}.damaged")
                     shutil.rmtree(aside, ignore_errors=True)
                     final.rename(aside)
+                    self._damaged.discard(final)
                     _log(f"the damaged {final} was set aside as {aside.name} (not deleted)", loud=True)
                 else:
                     replaced = final.with_name(f"{final.name}.replaced")
@@ -217,7 +218,7 @@ class Checkpointer:
             fsync_dir(self.root)
             if replaced is not None:
                 shutil.rmtree(replaced, ignore_errors=True)
-            self._prune()
+            prune(self.root, self.cfg.keep_last, self._damaged)
             _log(f"checkpoint {final} saved ({seconds:.1f}s, checksums {hash_seconds:.1f}s)")
         dist.barrier()
         self._published = step
@@ -235,20 +236,6 @@ class Checkpointer:
                     "be on a filesystem shared by every node (set output_dir to a shared path)."
                 )
             time.sleep(0.5)
-
-    def _prune(self) -> None:
-        """Delete a checkpoint only once `keep_last` newer checkpoints are intact (names and sizes as
-        their manifests say): pruning never takes the last good one. Damaged ones are left alone."""
-        found = complete_checkpoints(self.root)
-        intact = [p for p in found if p not in self._damaged and verify(p, hash_contents=False).ok]
-        if len(intact) <= self.cfg.keep_last:
-            return
-        oldest_kept = step_of(intact[-self.cfg.keep_last])
-        for old in intact:
-            if step_of(old) < oldest_kept:
-                doomed = old.with_name(f"{old.name}.deleting")  # never a half-deleted step-N folder
-                old.rename(doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
 
     # -- load
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -183,6 +184,25 @@ def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), hash_contents: boo
             if found["sha256"] != expected[name]["sha256"]:
                 verdict.problems.append(f"{name} has other contents than its save wrote (SHA-256 differs)")
     return verdict
+
+
+def prune(root: Path, keep_last: int, damaged: Iterable[Path] = ()) -> list[Path]:
+    """Delete the complete checkpoints older than the `keep_last` newest intact ones (names and sizes
+    as their manifests say; `damaged` ones never count), so pruning never takes the last good
+    checkpoint; damaged ones are left alone. Returns what was deleted."""
+    damaged = set(damaged)
+    intact = [p for p in complete_checkpoints(root) if p not in damaged and verify(p, hash_contents=False).ok]
+    if len(intact) <= keep_last:
+        return []
+    oldest_kept = step_of(intact[-keep_last])
+    deleted = []
+    for old in intact:
+        if step_of(old) < oldest_kept:
+            doomed = old.with_name(f"{old.name}.deleting")  # never a half-deleted step-N folder
+            old.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            deleted.append(old)
+    return deleted
 
 
 def fsync_dir(path: Path) -> None:

@@ -68,22 +68,33 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata unpickled through an allow-list."""
+    """DCP's file reader with the metadata unpickled through an allow-list. DCP reports a reader's
+    error wrapped in its own collective exception, so the first refusal is also kept in `error`."""
+
+    error: UserError | None = None
+
+    def _fail(self, error: UserError) -> UserError:
+        self.error = self.error or error
+        return error
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self._get_metadata_path(kwargs.get("rank")))
+        if kwargs.get("rank") is not None and not path.exists():
+            raise FileNotFoundError(path)  # DCP probes for optional per-rank metadata: not ours to report
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except pickle.UnpicklingError as e:
-            raise _refuse(path, str(e)) from None
+            raise self._fail(_refuse(path, str(e))) from None
         except Exception as e:  # truncated or garbled bytes
-            raise UserError(
-                f"Checkpoint file '{path}' cannot be read ({type(e).__name__}: {str(e)[:200]}); the checkpoint is "
-                "damaged. Use an earlier checkpoint."
+            raise self._fail(
+                UserError(
+                    f"Checkpoint file '{path}' cannot be read ({type(e).__name__}: {str(e)[:200]}); the checkpoint "
+                    "is damaged. Use an earlier checkpoint."
+                )
             ) from None
         if not isinstance(metadata, Metadata):
-            raise _refuse(path, f"it holds a {type(metadata).__name__}, not DCP metadata")
+            raise self._fail(_refuse(path, f"it holds a {type(metadata).__name__}, not DCP metadata"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -103,7 +114,8 @@ class SafePlanner(DefaultLoadPlanner):
             where = self.reader.storage_data[read_item.storage_index].relative_path if self.reader else "?"
             path = Path(self.reader.path) / where if self.reader else where
             what = str(e).strip().splitlines()[0][:200]
-            raise _refuse(path, f"its item '{read_item.dest_index.fqn}' is not plain data ({what})") from None
+            error = _refuse(path, f"its item '{read_item.dest_index.fqn}' is not plain data ({what})")
+            raise (self.reader._fail(error) if self.reader else error) from None
         # Proven to hold only what the weights-only unpickler admits: DCP's own code may read it now
         # (it places the value into the nested state dict).
         super().load_bytes(read_item, io.BytesIO(data))
@@ -114,7 +126,17 @@ def safe_load(state: dict, checkpoint: Path, no_dist: bool = False) -> None:
     reader = SafeReader(str(checkpoint))
     planner = SafePlanner()
     planner.reader = reader
-    dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if reader.error is not None:
+            raise reader.error from None
+        if isinstance(e, Exception):
+            raise
+        inner = [failure[0] for failure in getattr(e, "failures", {}).values()]
+        raise RuntimeError(" ".join(str(inner[0] if inner else e).split())) from None
 
 
 def load_rank_state(path: Path) -> dict:
