@@ -4,13 +4,12 @@ Every step all ranks must agree on: is the loss or gradient norm non-finite anyw
 did any rank get SIGTERM/SIGUSR1 (save and stop together), is any rank's async checkpoint write still
 running (publish together). Reading that answer right away would make the host wait for the whole
 backward pass every step, and then the next forward's launch overhead could never hide behind GPU
-work (measured on Qwen2-0.5B: the forward was ~60% idle GPU). So the MAX all-reduce and its copy to
-pinned host memory are queued at step N and read at step N+1, when the GPU finished them long ago.
+work (the GPU would sit idle while the host launches the next forward's kernels). So the MAX
+all-reduce and its copy to pinned host memory are queued at step N and read at step N+1, when the
+GPU finished them long ago.
 
 This rank's two host flags reach the GPU as fill kernels (`to_device`), not as a pageable copy,
-which would make the host wait for the queued forward/backward every step after all (until run 16
-it did: at least 94 ms per step on the 0.5B preset). A wait once per step never measured faster on
-a GPU-bound step either, once the step time counted it (docs/benchmarks.md, run 18).
+which would make the host wait for the queued forward/backward every step after all.
 
 The price: a NaN at step N is seen before step N+1's update, after step N's update was applied in
 memory. Nothing bad is ever saved: a checkpoint first settles its own step's agreement (`settle`).

@@ -98,8 +98,8 @@ def run_bench(
         raise UserError(f"--repeat is {repeat}; it must be at least 1.")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     failed: dict[str, dict] = {}
-    # Round-robin, not variant after variant: a machine that drifts during the call (measured: 6%
-    # between two runs of one variant in one call) then biases no variant.
+    # Round-robin, not variant after variant: a machine that drifts during the call (two runs of one
+    # variant can differ by several percent) then biases no variant.
     for r in range(repeat):
         for name, extra in specs:
             if name in failed:

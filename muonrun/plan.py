@@ -35,8 +35,8 @@ def activation_gib(hf, c, param_bytes: int) -> float:
     fp32 copies inside RMSNorm when computing in bf16; plus the fused LM head's stored gradients and one
     chunk of logits. Activation checkpointing keeps only layer inputs (plus one layer being recomputed).
     Kernels' workspaces, the allocator's fragmentation and FSDP's gathered parameters are not in it.
-    Counted for eager layers: compiled ones save fewer intermediates (Qwen2-0.5B, micro-batch 8, compiled:
-    this says ~33 GiB; the whole measured peak was 22 GiB, docs/benchmarks.md run 5)."""
+    Counted for eager layers: compiled ones save fewer intermediates, so for them this is an upper
+    bound (docs/performance.md, "Memory", sets it beside measured peaks)."""
     tokens = c.train.micro_batch_size * c.data.seq_len
     h, inter, layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
     heads = hf.num_attention_heads
@@ -170,9 +170,9 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
             (
                 "Muon Newton–Schulz",
                 f"{ns / 1e12:.2f} TFLOP per rank per optimizer step = {ns / model:.1%} of the model's "
-                f"{model / 1e12:.1f} TFLOP per rank and step: an upper estimate of Muon's extra step time "
-                "over AdamW (docs/performance.md sets it beside measured step times); more "
-                "tokens per step (train.grad_accum_steps) or more ranks shrink it",
+                f"{model / 1e12:.1f} TFLOP per rank and step: the arithmetic Muon adds; its momentum, "
+                "exchange and update add more (docs/performance.md sets both beside measured step "
+                "times); more tokens per step (train.grad_accum_steps) or more ranks shrink it",
             ),
         )
     print("muonrun plan (dry run: nothing was trained)")

@@ -1,6 +1,6 @@
 """The baseline muonrun must beat: plain transformers Qwen2 + fully_shard per decoder layer, glued by hand.
 
-This is what a user gets without muonrun (and what ../shared/design/MUON.md measured): HF's own loss
+This is what a user gets without muonrun: HF's own loss
 (full fp32 logits), SDPA, bf16 params / fp32 reduce, random tokens; optimizer fused AdamW or
 torch.optim.Muon applied directly to the FSDP2 DTensors. Run it beside `muonrun bench` in one call:
 
