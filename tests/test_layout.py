@@ -1,0 +1,120 @@
+"""The shape of the code base, checked so it stays: no import cycles among muonrun's modules (imports
+inside functions count), no module over 500 lines, no history in code, presets or the README, and
+the README's layout section names files and folders that exist."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "muonrun"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: muonrun modules it imports}, every import statement, TYPE_CHECKING blocks excepted."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skipped = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            else:
+                continue
+            for name in names:
+                # importing a.b.c runs a.b.c and its packages; a package that `mod` lives in is already running
+                parts = name.split(".")
+                for i in range(1, len(parts) + 1):
+                    target = ".".join(parts[:i])
+                    if target in modules and target != mod and not mod.startswith(target + "."):
+                        graph[mod].add(target)
+    return graph
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "muonrun.optim.muon" in graph and graph["muonrun.trainer"], "the scan found the package"
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, cycles
+
+
+def test_the_optimizers_stand_alone():
+    """`from muonrun.optim import Muon` pulls in neither the config nor the trainer."""
+    graph = import_graph()
+    seen, todo = set(), ["muonrun.optim.muon", "muonrun.optim.newton_schulz"]
+    while todo:
+        mod = todo.pop()
+        if mod not in seen:
+            seen.add(mod)
+            todo.extend(graph[mod])
+    assert not any(m.startswith(("muonrun.config", "muonrun.trainer")) for m in seen), sorted(seen)
+
+
+def test_no_module_is_over_500_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
+
+
+def test_code_presets_and_readme_carry_no_history():
+    pattern = re.compile(r"\brun ?[0-9]+|session", re.IGNORECASE)
+    files = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.yaml"), ROOT / "README.md"]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in files
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, hits
+
+
+def test_readme_layout_names_what_exists():
+    text = (ROOT / "README.md").read_text()
+    layout = text.split("## Layout", 1)[1].split("```")[1]
+    named = re.findall(r"(?:muonrun|scripts|docs|tests|configs)/[\w./-]*|\b[a-z_]+\.py\b", layout)
+    assert len(named) > 20, named
+    for name in named:
+        candidates = [
+            ROOT / name,
+            PACKAGE / name,
+            PACKAGE / "optim" / name,
+            PACKAGE / "config" / name,
+            PACKAGE / "checkpoint" / name,
+            PACKAGE / "data" / name,
+            ROOT / "scripts" / name,
+        ]
+        assert any(c.exists() for c in candidates), name
