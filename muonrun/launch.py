@@ -123,6 +123,11 @@ def launch(cfg: DictConfig) -> int:
     c = to_object(cfg)
     tokenizer = check_data(c)
     check_model(c.model, tokenizer.vocab_size, c.data.seq_len)
+    if c.parallel.float8 != "none":
+        from muonrun.distributed import pick_device_type
+        from muonrun.float8 import check_available
+
+        check_available(pick_device_type(c))
     config_yaml = to_yaml(cfg)
     out = Path(c.output_dir)
     check_output_dir(out)

@@ -1,7 +1,7 @@
 """Activation checkpointing, torch.compile and FSDP2 for a model on the meta device.
 
-Order matters (as in torchtitan): checkpoint and compile each decoder layer first, then
-`fully_shard` each layer, then the root (embedding, final norm and the possibly tied LM head).
+Order matters (as in torchtitan): float8 conversion, then checkpoint and compile each decoder layer,
+then `fully_shard` each layer, then the root (embedding, final norm and the possibly tied LM head).
 Parameter names never change: the wrappers patch `forward` in place.
 """
 
@@ -44,6 +44,9 @@ def apply_fsdp(
 ):
     param_dtype = DTYPES.get(p.param_dtype) or (torch.bfloat16 if device_type == "cuda" else torch.float32)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[p.reduce_dtype])
+    for param in model.parameters():
+        if not param.requires_grad:  # frozen (LoRA's base): stored as computed, no fp32 master copy
+            param.data = param.data.to(param_dtype)
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again right away by backward: keep them gathered.
         reshard = p.reshard_after_forward and i < len(layers) - 1
@@ -53,6 +56,10 @@ def apply_fsdp(
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig, device_type: str) -> nn.Module:
     layers = decoder_layers(model)
+    if p.float8 != "none":
+        from muonrun.float8 import apply_float8
+
+        apply_float8(model, p.float8)
     apply_activation_checkpointing(layers, p.activation_checkpointing)
     if p.compile:
         apply_compile(layers)

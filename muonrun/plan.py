@@ -129,6 +129,33 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     }
 
 
+def model_for_float8(c):
+    from muonrun.model import build_hf_config, build_model
+
+    return build_model(c.model, build_hf_config(c.model))
+
+
+def float8_row(model, recipe: str) -> str:
+    """Which Linear layers run in float8 (muonrun/float8.py's rule), by shape."""
+    from collections import Counter
+
+    from muonrun.float8 import chosen
+
+    picks = chosen(model, recipe)
+    shapes = {name: (m.out_features, m.in_features) for name, m in model.named_modules() if name in picks}
+    yes = Counter(shapes[n] for n, ok in picks.items() if ok)
+    no = Counter(shapes[n] for n, ok in picks.items() if not ok)
+
+    def fmt(counts):
+        return ", ".join(f"{n} x {o}x{i}" for (o, i), n in sorted(counts.items())) or "none"
+
+    return (
+        f"{recipe}: {sum(yes.values())} of {len(picks)} decoder Linear layers run in float8 ({fmt(yes)}; "
+        f"too small to gain, kept bf16: {fmt(no)}); the LM head stays bf16. Needs a GPU of compute "
+        "capability 8.9+ and torchao"
+    )
+
+
 def print_plan(cfg: DictConfig, world_size: int | None) -> None:
     s = plan_summary(cfg, world_size)
     c = to_object(cfg)
@@ -163,6 +190,8 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ),
         ("output", c.output_dir),
     ]
+    if c.parallel.float8 != "none":
+        rows.insert(-1, ("float8", float8_row(model_for_float8(c), c.parallel.float8)))
     if s["ns_flops_per_rank_step"]:
         ns, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
         rows.insert(

@@ -2,6 +2,7 @@
 
     python scripts/bench_data.py                       # the standard library's top-level modules, byte tokenizer
     python scripts/bench_data.py --seq-len 4096 --batch 4 --tokenizer path/to/tokenizer_folder
+    python scripts/bench_data.py --jsonl                # the same text as one JSON-lines file (a `text` column)
 
 A GPU eats roughly 1e5 tokens/s; the loader should be far above that. The cache goes to a temporary
 folder unless MUONRUN_CACHE is set, so the first (tokenizing) build is timed too.
@@ -10,6 +11,8 @@ folder unless MUONRUN_CACHE is set, so the first (tokenizing) build is timed too
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import sysconfig
@@ -29,6 +32,14 @@ def timed(loader, batches: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def to_jsonl(pattern: str, out: Path) -> str:
+    with open(out, "w", encoding="utf-8") as f:
+        for name in sorted(glob.glob(pattern, recursive=True)):
+            with contextlib.suppress(UnicodeDecodeError, OSError):
+                f.write(json.dumps({"text": Path(name).read_text(encoding="utf-8"), "file": name}) + "\n")
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--path", default=os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))
@@ -37,8 +48,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batches", type=int, default=500)
     ap.add_argument("--dp-size", type=int, default=8)
+    ap.add_argument(
+        "--jsonl",
+        action="store_true",
+        help="first write the files of --path as records of one JSON-lines file and read that (the table path)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("MUONRUN_CACHE", tempfile.mkdtemp(prefix="muonrun-bench-"))
+    if args.jsonl:
+        args.path = to_jsonl(args.path, Path(os.environ["MUONRUN_CACHE"]) / "bench.jsonl")
 
     def cfg(streaming: bool) -> Config:
         return Config(

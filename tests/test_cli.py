@@ -119,3 +119,16 @@ def test_pretrain_help_lists_every_preset():
     result = runner.invoke(app, ["pretrain", "--help"])
     text = "".join(result.output.split())  # rich wraps the help text anywhere
     assert all(name in text for name in PRESETS), (PRESETS, result.output)
+
+
+def test_float8_is_planned_by_layer_size_and_refused_on_cpu():
+    code = runner.invoke(app, ["pretrain", "qwen2-muon-fsdp2", "parallel.float8=tensorwise", "--dry-run"])
+    text = " ".join(code.output.split())
+    assert code.exit_code == 0, code.output
+    # torchao's size rule: the 0.5B MLP matrices run in float8, the small attention ones stay bf16
+    assert "72 of 168 decoder Linear layers run in float8 (24 x 896x4864, 48 x 4864x896;" in text
+    assert "kept bf16: 48 x 128x896, 48 x 896x896" in text
+    result = runner.invoke(app, ["pretrain", "tiny", "parallel.float8=rowwise", "train.max_steps=1"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "'parallel.float8'" in text and "no GPU" in text, result.output
+    assert "Traceback" not in result.output

@@ -147,7 +147,7 @@ def test_auto_tokenizer_folder(hf_tokenizer_dir, corpus):
     ids = tok.encode_batch(texts[:3])
     assert tok.decode(ids[0]) == texts[0] and all(isinstance(i, int) for i in ids[0])
     cfg = make_cfg([path])
-    entry = ensure_cached(cfg.data.sources[0], "data.sources[0]", tok, cfg.data)
+    entry = ensure_cached(cfg.data.sources[0], "data.sources.0", tok, cfg.data)
     assert entry.meta["dtype"] == "uint16" and entry.meta["num_docs"] == len(texts)
     expected = np.concatenate([np.array([*x, 1]) for x in tok.encode_batch(texts)])
     assert np.array_equal(np.asarray(entry.tokens), expected)
@@ -163,7 +163,7 @@ def test_packing_keeps_every_token_in_order(corpus):
     tok = build_tokenizer("byte")
     cfg = make_cfg([path], seq_len=16, batch=4, shuffle=False)
     stream = byte_stream(texts)
-    entry = ensure_cached(cfg.data.sources[0], "data.sources[0]", tok, cfg.data)
+    entry = ensure_cached(cfg.data.sources[0], "data.sources.0", tok, cfg.data)
     assert np.array_equal(np.asarray(entry.tokens), stream)  # the cache is the whole stream
     windows = entry.windows(16, "k")
     n = len(stream) // 17
@@ -374,7 +374,7 @@ def test_text_files_are_one_document_each(tmp_path):
     tok = build_tokenizer("byte")
     for path in (str(folder), str(folder / "**" / "*")):
         cfg = make_cfg([path], seq_len=4)
-        entry = ensure_cached(cfg.data.sources[0], "data.sources[0]", tok, cfg.data)
+        entry = ensure_cached(cfg.data.sources[0], "data.sources.0", tok, cfg.data)
         assert entry.meta["num_docs"] == 2
         assert np.array_equal(np.asarray(entry.tokens), byte_stream([files["a.py"], files["pkg/b.txt"]]))
 
@@ -404,7 +404,7 @@ def test_cache_is_reused_and_follows_file_changes(corpus, monkeypatch):
 
 
 def _build_in_child(cfg, queue):
-    entry = ensure_cached(cfg.data.sources[0], "data.sources[0]", build_tokenizer("byte"), cfg.data)
+    entry = ensure_cached(cfg.data.sources[0], "data.sources.0", build_tokenizer("byte"), cfg.data)
     queue.put(str(entry.path))
 
 
@@ -437,30 +437,26 @@ def expect_error(cfg, match, tok="byte"):
 
 
 def test_missing_paths(tmp_path):
-    expect_error(make_cfg([str(tmp_path / "nope.jsonl")]), r"data.sources\[0\].path.*does not exist")
-    expect_error(
-        make_cfg([str(tmp_path / "*.parquet")]), r"data.sources\[0\].path.*matches no readable files"
-    )
+    expect_error(make_cfg([str(tmp_path / "nope.jsonl")]), r"data.sources.0.path.*does not exist")
+    expect_error(make_cfg([str(tmp_path / "*.parquet")]), r"data.sources.0.path.*matches no readable files")
     (tmp_path / "empty").mkdir()
     expect_error(make_cfg([str(tmp_path / "empty")]), r"folder .* holds no readable files")
-    with pytest.raises(UserError, match=r"data.sources\[0\].path.*does not exist"):
+    with pytest.raises(UserError, match=r"data.sources.0.path.*does not exist"):
         check_data(make_cfg([str(tmp_path / "nope.jsonl")]))
 
 
 def test_empty_and_too_short(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
-    expect_error(make_cfg([str(tmp_path / "empty.jsonl")]), r"data.sources\[0\].*no documents")
+    expect_error(make_cfg([str(tmp_path / "empty.jsonl")]), r"data.sources.0.*no documents")
     short = write_jsonl(tmp_path / "short.jsonl", ["tiny"])
-    expect_error(
-        make_cfg([short], seq_len=16), r"data.sources\[0\].*5 tokens, fewer than one window.*seq_len"
-    )
+    expect_error(make_cfg([short], seq_len=16), r"data.sources.0.*5 tokens, fewer than one window.*seq_len")
     stream = make_cfg([SourceConfig(path=str(tmp_path / "empty.jsonl"), streaming=True)])
-    expect_error(stream, r"data.sources\[0\].*no documents")
+    expect_error(stream, r"data.sources.0.*no documents")
 
 
 def test_missing_text_field_lists_columns(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", docs(5), field="body")
-    match = r"data.sources\[0\].text_field.*'text'.*columns are: body, id"
+    match = r"data.sources.0.text_field.*'text'.*columns are: body, id"
     expect_error(make_cfg([path]), match)
     with pytest.raises(UserError, match=match):
         check_data(make_cfg([path]))
@@ -476,15 +472,15 @@ def test_undecodable_text_names_the_file(tmp_path):
 
 def test_bad_weight_split_and_offline_hub(tmp_path, corpus):
     _, path = corpus
-    expect_error(make_cfg([SourceConfig(path=path, weight=0)]), r"data.sources\[0\].weight.*positive")
-    expect_error(make_cfg([SourceConfig(path=path, split="validation")]), r"data.sources\[0\].split")
+    expect_error(make_cfg([SourceConfig(path=path, weight=0)]), r"data.sources.0.weight.*positive")
+    expect_error(make_cfg([SourceConfig(path=path, split="validation")]), r"data.sources.0.split")
     for streaming in (False, True):
         hub = make_cfg(
             [path], eval_sources=[SourceConfig(path="no-such-org/no-such-data", streaming=streaming)]
         )
-        with pytest.raises(UserError, match=r"data.eval_sources\[0\].path.*Hub.*HF_HUB_OFFLINE"):
+        with pytest.raises(UserError, match=r"data.eval_sources.0.path.*Hub.*HF_HUB_OFFLINE"):
             build_loader(hub, build_tokenizer("byte"), split="eval")
-    with pytest.raises(UserError, match=r"data.eval_sources\[0\].path.*HF_HUB_OFFLINE"):
+    with pytest.raises(UserError, match=r"data.eval_sources.0.path.*HF_HUB_OFFLINE"):
         check_data(hub)
 
 
@@ -494,3 +490,290 @@ def test_tokenizer_errors(tmp_path):
     (tmp_path / "broken").mkdir()
     with pytest.raises(UserError, match=r"data.tokenizer.*folder.*cannot load it"):
         build_tokenizer(str(tmp_path / "broken"))
+
+
+# -- bad records, empty files, progress bars ------------------------------------------------------------------
+
+
+def write_lines(path, records) -> str:
+    """One JSON value per line; a str is written as the line itself."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def mixed_records(n=40):
+    """n records, every 5th bad (alternately no 'text' field and 'text': null); returns (records, good)."""
+    records, good = [], []
+    for i, text in enumerate(docs(n, seed=3)):
+        if i % 5 == 1:
+            records.append({"title": text} if i % 10 == 1 else {"text": None})
+        else:
+            records.append({"text": text})
+            good.append(text)
+    return records, good
+
+
+def bad_cfg(path, streaming=False, skip=False, **kw):
+    kw.setdefault("seq_len", 8)
+    kw.setdefault("shuffle_buffer", 7)
+    return make_cfg([SourceConfig(path=path, streaming=streaming)], skip_bad_records=skip, **kw)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_records_missing_the_text_field_fail_naming_file_and_record(tmp_path, streaming):
+    records, _ = mixed_records()
+    path = write_lines(tmp_path / "mixed.jsonl", ["", *records])  # a blank line first: lines != records
+    with pytest.raises(UserError) as e:
+        next(build_loader(bad_cfg(path, streaming), build_tokenizer("byte")))  # streaming: as a block is read
+    msg = str(e.value)
+    assert f"line 3 of '{path}' has no 'text' field (its fields: title)" in msg
+    assert "data.sources.0.text_field" in msg and "data.skip_bad_records=true" in msg
+    if not streaming:  # map-style sources count them all before tokenizing
+        assert "8 of its 40 records have a 'text' that is missing, null or not a string" in msg
+        with pytest.raises(UserError, match="line 3 of"):
+            prepare(bad_cfg(path))
+
+
+def test_a_null_text_is_named_too(tmp_path):
+    path = write_lines(tmp_path / "n.jsonl", [{"text": "fine"}, {"text": "ok"}, {"text": None}])
+    for streaming in (False, True):
+        with pytest.raises(
+            UserError, match=rf"line 3 of '{path}' has 'text': null.*data.sources.0.text_field"
+        ):
+            next(build_loader(bad_cfg(path, streaming, seq_len=2), build_tokenizer("byte")))
+
+
+def test_skip_bad_records_map_style(tmp_path, capsys):
+    records, good = mixed_records()
+    path = write_lines(tmp_path / "mixed.jsonl", records)
+    tok = build_tokenizer("byte")
+    cfg = bad_cfg(path, skip=True, shuffle=False)
+    entry = ensure_cached(cfg.data.sources[0], "data.sources.0", tok, cfg.data)
+    assert np.array_equal(np.asarray(entry.tokens), byte_stream(good))  # exactly the good records
+    meta = entry.meta
+    assert (meta["num_records"], meta["skipped_records"], meta["num_docs"]) == (40, 8, 32)
+    line = (
+        f"muonrun: skipped 8 of 40 records of data.sources.0 ({path}) whose 'text' is missing, null or not a "
+        "string (data.skip_bad_records=true)"
+    )
+    assert capsys.readouterr().out.strip() == line
+    served = np.concatenate(take(build_loader(cfg, tok), 3)).reshape(-1)
+    assert np.array_equal(served, byte_stream(good)[: len(served)])
+    # the entry built while skipping is not used silently by a run that does not skip
+    with pytest.raises(UserError, match=r"line 2 of .*8 of its 40 records.*data.skip_bad_records"):
+        build_loader(bad_cfg(path), tok)
+    with pytest.raises(UserError, match=r"line 2 of .*data.skip_bad_records"):
+        check_data(bad_cfg(path))
+    check_data(cfg)  # fine with the switch on
+
+
+def test_skip_bad_records_reported_once_per_process_and_rank_0_only(tmp_path, capsys):
+    records, _ = mixed_records()
+    path = write_lines(tmp_path / "mixed.jsonl", records)
+    tok = build_tokenizer("byte")
+    cfg = bad_cfg(path, skip=True)
+    build_loader(cfg, tok, dp_rank=1, dp_size=2)
+    assert capsys.readouterr().out == ""
+    build_loader(cfg, tok, dp_rank=0, dp_size=2)
+    build_loader(cfg, tok, dp_rank=0, dp_size=2)
+    assert capsys.readouterr().out.count("skipped 8 of 40 records") == 1
+
+
+def test_skip_bad_records_streaming(tmp_path, capsys):
+    records, good = mixed_records()
+    path = write_lines(tmp_path / "mixed.jsonl", records)
+    tok = build_tokenizer("byte")
+    cfg = bad_cfg(path, streaming=True, skip=True, shuffle=False, batch=1)  # blocks of 7 records
+    loader = build_loader(cfg, tok)
+    first = np.concatenate(take(loader, 2)).reshape(-1)
+    out = capsys.readouterr().out
+    assert "skipping records of data.sources.0" in out and "2 of the first 7 read" in out
+    stream = byte_stream(good)
+    n = len(stream) // 9
+    rest = np.concatenate(take(loader, n - 2)).reshape(-1)  # through the end of the first pass
+    assert np.array_equal(np.concatenate([first, rest]), stream[: n * 9])
+    out = capsys.readouterr().out
+    assert f"muonrun: skipped 8 of 40 records of data.sources.0 ({path}) whose 'text' is missing" in out
+    take(loader, n)  # a second pass reports nothing new
+    assert capsys.readouterr().out == ""
+
+
+def test_a_value_of_the_wrong_type(tmp_path, capsys):
+    path = write_lines(tmp_path / "wrongtype.jsonl", [{"text": 5}, {"text": "ok, a string"}, {"text": ["a"]}])
+    tok = build_tokenizer("byte")
+    match = (
+        rf"line 1 of '{path}' has 'text': 5, a number where a string was expected.*data.sources.0.text_field"
+    )
+    assert "Json" not in match
+    for streaming in (False, True):
+        with pytest.raises(UserError, match=match) as e:
+            build_loader(bad_cfg(path, streaming, seq_len=2), tok)
+        assert "Json(" not in str(e.value) and "data.skip_bad_records" in str(e.value)
+    with pytest.raises(UserError, match=match):
+        check_data(bad_cfg(path))  # the first record is checked before workers start
+    entry = ensure_cached(SourceConfig(path=path), "data.sources.0", tok, bad_cfg(path, skip=True).data)
+    assert np.array_equal(np.asarray(entry.tokens), byte_stream(["ok, a string"]))
+    assert "skipped 2 of 3 records" in capsys.readouterr().out
+    served = rows(next(build_loader(bad_cfg(path, True, True, seq_len=2, shuffle=False), tok)))
+    assert bytes(served.reshape(-1)[:4].astype(np.uint8)) == b"ok, "
+
+
+def test_no_string_text_at_all(tmp_path):
+    path = write_lines(tmp_path / "ints.jsonl", [{"text": 1}, {"text": 2}])
+    for streaming in (False, True):
+        for skip in (False, True):
+            if streaming and not skip:
+                match = r"line 1 of .* has 'text': 1"
+            elif streaming:
+                match = r"all 2 records read .*nothing to train on.*data.sources.0.text_field"
+            else:
+                match = r"none of its 2 records has a string in 'text'.*line 1 of .*data.sources.0.text_field"
+            with pytest.raises(UserError, match=match):
+                next(build_loader(bad_cfg(path, streaming, skip), build_tokenizer("byte")))
+
+
+def test_bad_records_in_parquet_name_the_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"text": ["first doc", "second", None, "fourth"]}), path)
+    with pytest.raises(
+        UserError, match=rf"record 3 of '{path}' \(counting from 1\) has 'text': null; 1 of its 4"
+    ):
+        build_loader(bad_cfg(path, seq_len=2), build_tokenizer("byte"))
+    entry = ensure_cached(
+        SourceConfig(path=path), "k", build_tokenizer("byte"), bad_cfg(path, skip=True).data
+    )
+    assert np.array_equal(np.asarray(entry.tokens), byte_stream(["first doc", "second", "fourth"]))
+
+
+def test_a_text_of_another_type_in_a_later_file_is_not_trained_on_as_json(tmp_path):
+    """datasets settles the column's type from the first file (its first 10 MB); a later list makes it
+    write every later text as JSON ('"c"' for "c"), or stop reading. Both are caught, naming the record."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    write_lines(folder / "a.jsonl", [{"text": t} for t in docs(30)])
+    bad = write_lines(folder / "b.jsonl", [{"text": "c"}, {"text": ["x", "y"]}, {"text": "last"}])
+    cause = rf"line 2 of '{bad}', which has 'text': \[\"x\", \"y\"\], a list where a string was expected"
+    for streaming in (False, True):
+        for skip in (False, True):
+            cfg = bad_cfg(str(folder), streaming, skip=skip, seq_len=2, shuffle=False, shuffle_buffer=100)
+            with pytest.raises(UserError, match=rf"read its JSON files wrongly: .*{cause}.*jq -c") as e:
+                next(build_loader(cfg, build_tokenizer("byte")))
+            assert "skip_bad_records cannot skip it" in str(e.value)
+    # a blank line in the later file makes datasets' reader fail instead: the same record is named
+    write_lines(folder / "b.jsonl", ["", {"text": "c"}, {"text": ["x", "y"]}])
+    cause = cause.replace("line 2", "line 3")
+    for streaming in (False, True):
+        with pytest.raises(UserError, match=rf"could not read its JSON files .*{cause}"):
+            next(
+                build_loader(
+                    bad_cfg(str(folder), streaming, seq_len=2, shuffle_buffer=100), build_tokenizer("byte")
+                )
+            )
+
+
+def test_a_line_that_is_not_json_is_named(tmp_path):
+    path = write_lines(tmp_path / "broken.jsonl", [{"text": "a"}, '{"text": "b"', {"text": "c"}])
+    for streaming in (False, True):
+        with pytest.raises(UserError, match=rf"line 2 of '{path}' is not JSON \(Expecting"):
+            check_data(bad_cfg(path, streaming))
+        with pytest.raises(UserError, match=rf"line 2 of '{path}' is not JSON"):
+            next(build_loader(bad_cfg(path, streaming, seq_len=2), build_tokenizer("byte")))
+
+
+def test_quoted_texts_are_fine(tmp_path):
+    texts = ['"To be, or not to be"', '"Quoted"', "plain"]
+    path = write_lines(tmp_path / "q.jsonl", [{"text": t} for t in texts])
+    for streaming in (False, True):
+        cfg = bad_cfg(path, streaming, seq_len=2, shuffle=False, batch=1)
+        got = np.concatenate(take(build_loader(cfg, build_tokenizer("byte")), 10)).reshape(-1)
+        assert np.array_equal(got, byte_stream(texts)[: len(got)])
+
+
+def test_empty_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    match = rf"data.sources.0' .*has no documents: the file '{empty}' is empty"
+    for streaming in (False, True):
+        cfg = bad_cfg(str(empty), streaming)
+        with pytest.raises(UserError, match=match) as e:
+            check_data(cfg)
+        assert "StopIteration" not in str(e.value)
+        with pytest.raises(UserError, match=match):
+            build_loader(cfg, build_tokenizer("byte"))
+    with pytest.raises(UserError, match=match):
+        prepare(bad_cfg(str(empty)))
+    blank = write_lines(tmp_path / "blank.jsonl", ["", "  "])
+    for streaming in (False, True):
+        with pytest.raises(UserError, match=rf"the file '{blank}' holds no records"):
+            build_loader(bad_cfg(blank, streaming), build_tokenizer("byte"))
+    # an empty file next to others is no error: it adds no records
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "empty.jsonl").write_text("")
+    texts = docs(20)
+    write_jsonl(tmp_path / "d" / "full.jsonl", texts)
+    for streaming in (False, True):
+        check_data(bad_cfg(str(tmp_path / "d"), streaming))
+        assert next(build_loader(bad_cfg(str(tmp_path / "d"), streaming), build_tokenizer("byte")))
+
+
+def test_progress_bars_stay_out_of_log_files(tmp_path, capfd, monkeypatch):
+    import datasets
+
+    from muonrun.data.sources import quiet_progress_bars
+
+    path = write_jsonl(tmp_path / "c.jsonl", docs(50))
+    datasets.enable_progress_bars()
+    cfg = bad_cfg(path)
+    check_data(cfg)
+    prepare(cfg)
+    next(build_loader(bad_cfg(path, streaming=True), build_tokenizer("byte")))
+    out, err = capfd.readouterr()  # stderr is not a terminal here
+    assert not datasets.is_progress_bar_enabled()
+    for text in (out, err):
+        assert "examples/s" not in text and "Tokenizing" not in text and "Generating" not in text
+        assert "\r" not in text and "%|" not in text
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            return len(s)
+
+        def flush(self):
+            pass
+
+    datasets.enable_progress_bars()
+    monkeypatch.setattr("sys.stderr", Terminal())
+    quiet_progress_bars()
+    assert datasets.is_progress_bar_enabled()  # a terminal keeps them
+    datasets.disable_progress_bars()
+
+
+def test_cli_prepare_missing_text_field_exits_2_without_traceback(tmp_path):
+    from typer.testing import CliRunner
+
+    from muonrun.cli import app
+
+    records, _ = mixed_records()
+    path = write_lines(tmp_path / "mixed.jsonl", records)
+    args = ["prepare", "tiny", f"data.sources.0.path={path}", "data.eval_sources=[]", "train.eval_interval=0"]
+    args.append(f"data.cache_dir={tmp_path / 'cache'}")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    squashed = "".join(result.output.split())  # the console wraps lines (even inside the path)
+    for part in (
+        f"line 2 of '{path}' has no 'text' field",
+        "data.sources.0.text_field",
+        "data.skip_bad_records=true",
+    ):
+        assert "".join(part.split()) in squashed, result.output
+    result = CliRunner().invoke(app, [*args, "data.skip_bad_records=true", "data.seq_len=8"])
+    assert result.exit_code == 0, result.output
+    assert "skipped 8 of 40 records" in " ".join(result.output.split())

@@ -102,7 +102,9 @@ class DataConfig:
     blocks shuffle better but resume slower."""
     skip_bad_records: bool = False
     """Records whose text field is missing, null or not a string stop the run, naming the file and the
-    first such record. True: skip them instead and report how many were skipped."""
+    first such record (its line in JSON-lines files). True: skip them; rank 0 prints how many
+    (streaming: per pass over rank 0's share). JSON whose text changes type after the first 10 MB is
+    misread by datasets and stops the run either way."""
 
     def __post_init__(self) -> None:
         _at_least(1, **{"data.seq_len": self.seq_len, "data.num_proc": self.num_proc})
@@ -208,6 +210,12 @@ class ParallelConfig:
     compile_loss: bool = False
     """torch.compile each loss chunk's softmax gradient into one pass over the bf16 logits (GPU; the
     eager path makes about six fp32 passes over every [chunk x vocab] block)."""
+    float8: str = one_of("none", "tensorwise", "rowwise")
+    """Run the decoder's large matmuls in float8 (torchao; `pip install 'muonrun[float8]'`, a GPU of
+    compute capability 8.9+): `tensorwise` or `rowwise` scaling. Weights, optimizer state and Muon's
+    Newton–Schulz are unchanged. Which Linear layers it serves follows torchao's size rule (small ones
+    lose more to the casts than they gain; the LM head never): `--dry-run` lists them. See
+    muonrun/float8.py and docs/performance.md."""
 
     def __post_init__(self) -> None:
         for key, value in (

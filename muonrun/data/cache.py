@@ -6,6 +6,11 @@ of that stream, so the cache does not depend on seq_len and changing it does not
 hashes the source (path, name, split, text field, and for local files each file's size and mtime), the
 tokenizer's fingerprint (vocabulary and EOS) and CACHE_VERSION.
 
+Before tokenizing, the text column's bad records are counted (records.py; free for a string column:
+its null count is Arrow metadata). By default any stops the build; with data.skip_bad_records they are
+left out and meta.json keeps `num_records`, `skipped_records` and `first_bad`, so a cached run reports
+the count too, and a run without the switch refuses the entry.
+
 Several ranks may build the same entry at once: an advisory lock lets one build while the others wait,
 and the build goes to a private temporary folder renamed into place, so a reader only ever sees a
 complete entry even where the lock does not work (the first rename wins, later ones are discarded).
@@ -27,14 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from muonrun.data.sources import load_source, read_error, resolve_files
+from muonrun.data.sources import load_parts, read_error, resolve_files
 from muonrun.data.tokenizer import encode_docs
 from muonrun.errors import UserError
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
-"""Bump when the layout of tokens.bin or the tokenization rule changes: old entries are then ignored."""
+CACHE_VERSION = 2
+"""Bump when the layout of tokens.bin or the tokenization rule changes: old entries are then ignored.
+2: records whose text is missing, null or not a string are no longer empty documents (records.py)."""
 
 
 def cache_root(data_cfg) -> Path:
@@ -107,47 +113,115 @@ def _file_lock(path: Path):
         fh.close()
 
 
-def _write_tokens(src, key: str, tok, num_proc: int, tmp: Path, files: list[str] | None) -> dict:
+def _check_records(src, key: str, parts, skip: bool) -> dict:
+    """Count the bad records of each part (records.py); raise for the first unless skipping (or when
+    nothing would be left). Returns the meta fields `num_records`, `skipped_records`, `first_bad`."""
+    from muonrun.data.records import count_bad
+
+    total, bad, first = 0, 0, None
+    for i, part in enumerate(parts):
+        if part.reader == "json" and src.split == "train":
+            _check_reencoded(src, key, part)
+        if part.reader != "text":  # a text file is always one string
+            n, at = count_bad(_text_data(part.ds))
+            if n and first is None:
+                first = [i, at]
+            bad += n
+        total += len(part.ds)
+    meta = {"num_records": total, "skipped_records": bad, "first_bad": first}
+    if bad and (not skip or bad == total):
+        raise bad_records_error(src, key, parts, meta)
+    return meta
+
+
+def _check_reencoded(src, key: str, part) -> None:
+    """The last text as datasets read it against the file's own last lines (records.reencoded_error):
+    a few lines read from the end of one file, so free."""
+    from muonrun.data.records import is_string, last_text, reencoded_error
+
+    column = _text_data(part.ds)
+    if not is_string(column.type):  # datasets' Json feature (mixed types from the start) decodes right
+        return
+    last = last_text(part.files[-1], src.text_field) if part.files else None
+    if last is None or last[0] >= len(part.ds):
+        return
+    got = column[len(part.ds) - 1 - last[0]].as_py()
+    if got != last[1]:
+        raise reencoded_error(src, key, part.files, got, last[1])
+
+
+def _text_data(ds):
+    """The `text` column of a map-style dataset as Arrow data, without reading it (a memory map)."""
+    if getattr(ds, "_indices", None) is None:
+        return ds.data.column("text")
+    return ds.with_format("arrow")[:]["text"]  # a selection: materialized (never the case here)
+
+
+def bad_records_error(src, key: str, parts, meta: dict) -> UserError:
+    """The error for a source whose meta counts bad records: the first one, located in its file."""
+    from muonrun.data.records import Where, bad_record_error, locate
+
+    i, index = meta["first_bad"]
+    part = parts[i]
+    where = None
+    if part.files is not None:
+        where = locate(part.reader, part.files, src.text_field, index)
+    if where is None:
+        record = part.ds[index]
+        record = {src.text_field: record["text"]} if "text" in record else record
+        number = sum(len(p.ds) for p in parts[:i]) + index + 1
+        where = Where(
+            None, number, record=record, note=f" of {src.path} (split '{src.split}', counting from 1)"
+        )
+    return bad_record_error(src, key, where, meta["skipped_records"], meta["num_records"])
+
+
+def _write_tokens(src, key: str, tok, num_proc: int, tmp: Path, files: list[str] | None, skip: bool) -> dict:
     """Tokenize the source into tmp/tokens.bin; returns meta."""
     import pyarrow as pa
 
+    from muonrun.data.records import good_texts
+
     started = time.time()
-    ds = load_source(src, key, streaming=False, files=files)
-    if len(ds) == 0:
+    parts = load_parts(src, key, streaming=False, files=files)
+    if sum(len(p.ds) for p in parts) == 0:
         raise UserError(f"Source '{key}' ({src.path}, split '{src.split}') has no documents.")
+    checked = _check_records(src, key, parts, skip)
 
     def tokenize(batch: pa.Table) -> pa.Table:
-        texts = [t or "" for t in batch.column("text").to_pylist()]
-        values, lens = encode_docs(tok, texts)
+        values, lens = encode_docs(tok, good_texts(batch.column("text")))  # bad records left out
         offsets = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(lens, out=offsets[1:])
         return pa.table({"ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
 
-    try:
-        mapped = ds.with_format("arrow").map(
-            tokenize,
-            batched=True,
-            batch_size=1000,
-            num_proc=num_proc if num_proc > 1 and len(ds) >= 2 * num_proc else None,
-            remove_columns=ds.column_names,
-            cache_file_name=str(tmp / "ids.arrow"),  # lives and dies with the temporary folder
-            new_fingerprint=tmp.name,
-            desc=f"Tokenizing {key}",
-        )
-    except UserError:
-        raise
-    except Exception as e:
-        raise read_error(e, src, key, files) from None
     dtype = token_dtype(tok.vocab_size)
-    num_tokens = 0
+    num_tokens = num_docs = 0
     with open(tmp / "tokens.bin", "wb") as out:
-        for table in mapped.with_format("arrow").iter(batch_size=8192):
-            for chunk in table.column("ids").chunks:
-                ids = chunk.flatten().to_numpy()
-                assert ids.size == 0 or int(ids.max()) < tok.vocab_size, "token id beyond the vocabulary"
-                out.write(ids.astype(dtype).tobytes())
-                num_tokens += ids.size
-    del mapped
+        for i, part in enumerate(parts):
+            ds = part.ds
+            try:
+                mapped = ds.with_format("arrow").map(
+                    tokenize,
+                    batched=True,
+                    batch_size=1000,
+                    num_proc=num_proc if num_proc > 1 and len(ds) >= 2 * num_proc else None,
+                    remove_columns=ds.column_names,
+                    cache_file_name=str(tmp / f"ids-{i}.arrow"),  # lives and dies with the temporary folder
+                    new_fingerprint=f"{tmp.name}-{i}",
+                    desc=f"Tokenizing {key}",
+                )
+            except UserError:
+                raise
+            except Exception as e:
+                raise read_error(e, src, key, part.files) from None
+            num_docs += len(mapped)
+            for table in mapped.with_format("arrow").iter(batch_size=8192):
+                for chunk in table.column("ids").chunks:
+                    ids = chunk.flatten().to_numpy()
+                    assert ids.size == 0 or int(ids.max()) < tok.vocab_size, "token id beyond the vocabulary"
+                    out.write(ids.astype(dtype).tobytes())
+                    num_tokens += ids.size
+            del mapped
     for f in tmp.glob("ids*.arrow"):
         f.unlink()
     return {
@@ -158,28 +232,50 @@ def _write_tokens(src, key: str, tok, num_proc: int, tmp: Path, files: list[str]
         "eos_token_id": tok.eos_token_id,
         "dtype": dtype.name,
         "num_tokens": num_tokens,
-        "num_docs": len(ds),
+        "num_docs": num_docs,
+        **checked,
         "build_seconds": round(time.time() - started, 3),
     }
 
 
-def ensure_cached(src, key: str, tok, data_cfg) -> TokenCache:
-    """The source's cache entry, built first if missing (safe when many processes call it at once)."""
+def cached_entry(src, key: str, tok, data_cfg) -> TokenCache | None:
+    """The source's finished cache entry, or None (nothing is built)."""
+    files = resolve_files(src, key)
+    final = entry_dir(cache_root(data_cfg), src, cache_key(src, tok, files))
+    return TokenCache(final) if (final / "meta.json").is_file() else None
+
+
+def check_entry(entry: TokenCache, src, key: str, data_cfg, report: bool = True) -> TokenCache:
+    """An entry built with data.skip_bad_records=true serves a run only with it on too; report the count."""
+    from muonrun.data.records import report_skipped, skipped_line
+
+    skipped = entry.meta.get("skipped_records", 0)
+    if skipped and not data_cfg.skip_bad_records:
+        parts = load_parts(src, key, streaming=False, files=resolve_files(src, key))
+        raise bad_records_error(src, key, parts, entry.meta)
+    if skipped and report:
+        report_skipped(("map", str(entry.path)), skipped_line(src, key, skipped, entry.meta["num_records"]))
+    return entry
+
+
+def ensure_cached(src, key: str, tok, data_cfg, report: bool = True) -> TokenCache:
+    """The source's cache entry, built first if missing (safe when many processes call it at once).
+    With `report`, a count of skipped bad records is printed (once per process)."""
     files = resolve_files(src, key)
     ckey = cache_key(src, tok, files)
     root = cache_root(data_cfg)
     final = entry_dir(root, src, ckey)
     if (final / "meta.json").is_file():
-        return TokenCache(final)
+        return check_entry(TokenCache(final), src, key, data_cfg, report)
     root.mkdir(parents=True, exist_ok=True)
     with _file_lock(root / f".{final.name}.lock"):
         if (final / "meta.json").is_file():  # another process built it while we waited
-            return TokenCache(final)
+            return check_entry(TokenCache(final), src, key, data_cfg, report)
         tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             log.info("tokenizing %s (%s) into %s", key, src.path, final)
-            meta = _write_tokens(src, key, tok, data_cfg.num_proc, tmp, files)
+            meta = _write_tokens(src, key, tok, data_cfg.num_proc, tmp, files, data_cfg.skip_bad_records)
             meta["key"] = ckey
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             try:
@@ -189,4 +285,4 @@ def ensure_cached(src, key: str, tok, data_cfg) -> TokenCache:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return TokenCache(final)
+    return check_entry(TokenCache(final), src, key, data_cfg, report)

@@ -3,43 +3,24 @@
 A path that exists, holds a glob character, starts with / ./ ../ ~ or ends in a known data extension
 is local; anything else is a Hub dataset id. Local files are read by extension (see READERS); every
 other file is one UTF-8 document. Every failure a user can cause becomes a UserError that names the
-config key (`data.sources[0].path`, ...) and the file.
+config key (`data.sources.0.path`, ...) and the file: an empty file, a file of blank lines, a column
+that is not there, JSON that datasets cannot read (then the record that broke it, by records.py).
+datasets' progress bars are turned off unless stderr is a terminal (`quiet_progress_bars`).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import sys
+from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
+from muonrun.data.formats import BINARY, COMPRESSION, READERS, nonempty_files, reader_for
 from muonrun.errors import UserError
 
-# extension -> datasets builder; every other file goes to the `text` builder, one document per file
-READERS = {
-    ".jsonl": "json",
-    ".json": "json",
-    ".ndjson": "json",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".csv": "csv",
-}
-COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
-# never text: skipped when a folder or glob is expanded (an explicitly named file is always read)
-_BINARY_EXTS = """.pyc .pyo .so .dll .dylib .exe .o .a .lib .class .jar .png .jpg .jpeg .gif .bmp .ico .webp
-.pdf .zip .tar .tgz .whl .egg .bin .pt .pth .safetensors .npy .npz .pkl .pickle .wav .mp3 .mp4 .db .sqlite .lock"""
-BINARY = frozenset(_BINARY_EXTS.split())
 _LOCAL_HINT_EXTS = {*READERS, *COMPRESSION, ".txt", ".py", ".md"}
-
-
-def reader_for(path: str) -> str:
-    """The datasets builder for a file, by extension (compression suffixes look through)."""
-    name = path.lower()
-    for suffix in COMPRESSION:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    return READERS.get(Path(name).suffix, "text")
 
 
 def _usable(path: str) -> bool:
@@ -115,8 +96,47 @@ def read_error(e: Exception, src, key: str, files: list[str] | None) -> UserErro
     detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
     chain = [c for c in _cause_chain(e) if c is not e]
     if chain:
-        detail += f" (caused by {type(chain[0]).__name__}: {str(chain[0]).strip()[:300]})"
+        detail += f" (caused by {type(chain[0]).__name__}: {' '.join(str(chain[0]).split())[:300]})"
+    json_files = sorted(f for f in files or [] if reader_for(f) == "json")
+    if json_files and any(_json_layout_error(c) for c in _cause_chain(e)):
+        return _json_read_error(src, key, json_files, detail)
     return UserError(f"Source '{key}' ({src.path}) could not be read: {detail}.")
+
+
+def _json_layout_error(e: BaseException) -> bool:
+    """datasets' JSON reader failed on a record that does not fit the columns or types it had settled on
+    (from the first 10 MB of the first file), or on a line that is not JSON."""
+    text = str(e)
+    return type(e).__name__ in ("CastError", "ArrowInvalid", "ArrowTypeError", "JSONDecodeError") or any(
+        s in text for s in ("changed from", "Expected object or value", "column names don't match")
+    )
+
+
+def _json_read_error(src, key: str, files: list[str], detail: str) -> UserError:
+    from muonrun.data.records import WHAT, NotJson, changes_type, locate, problem
+
+    # what stops the reader: a line that is not JSON, a text of another type, a record without it
+    field = src.text_field
+    where = locate("json", files, field, rule=lambda r, f: isinstance(r, NotJson))
+    if where is not None:
+        return UserError(
+            f"Source '{key}' ({src.path}): {where.place()} {problem(where.record, field)}. A JSON-lines file "
+            f"holds one JSON object per line: fix or remove that line."
+        )
+    where = locate("json", files, field, rule=changes_type) or locate("json", files, field)
+    culprit = (
+        f"The first record whose '{field}' is {WHAT} is {where.place()}, which {problem(where.record, field)}. "
+        if where
+        else ""
+    )
+    return UserError(
+        f"Source '{key}' ({src.path}): datasets could not read its JSON files ({detail}). {culprit}"
+        "datasets settles each column's name and type from the first 10 MB it reads; a later record with "
+        "other fields or another type stops the read, so data.skip_bad_records cannot skip it. Give every record "
+        f"the same fields, with the text as a string in '{field}' (e.g. keep only those: jq -c "
+        f"'select(.{field} | type == \"string\")' in.jsonl > out.jsonl), or set '{key}.text_field' to the "
+        "field that holds the text."
+    )
 
 
 def hub_error(e: Exception, src, key: str) -> UserError:
@@ -130,30 +150,62 @@ def hub_error(e: Exception, src, key: str) -> UserError:
 
 
 def _text_column(ds, column: str, src, key: str, what: str):
-    """Keep only `column`, renamed to `text`; UserError listing the columns when it is missing."""
+    """Keep only `column`, renamed to `text`; UserError listing the columns when it is missing. Its type
+    is not checked here: records whose value is not a string are bad records (records.py)."""
     cols = ds.column_names
-    if cols is None:  # streaming without known features: look at the first row
-        first = next(iter(ds.take(1)), None)
-        cols = list(first) if first is not None else []
+    if cols is None:  # streaming without known features: look at the first rows
+        cols = list(dict.fromkeys(k for row in ds.take(100) for k in row))
     if column not in cols:
         raise UserError(
             f"Config key '{key}.text_field' is '{column}', but {what} has no such column; its columns are: "
             f"{', '.join(map(str, cols)) or '(none)'}. Set '{key}.text_field' to the column holding the text."
         )
-    feature = (ds.features or {}).get(column)
-    dtype = getattr(feature, "dtype", None)
-    if feature is not None and dtype not in ("string", "large_string"):
-        raise UserError(
-            f"Config key '{key}.text_field' is '{column}', but that column of {what} holds {feature}, not text."
-        )
     ds = ds.select_columns([column])
     return ds if column == "text" else ds.rename_column(column, "text")
 
 
-def load_source(src, key: str, *, streaming: bool, files: list[str] | None = None):
-    """The source as a Dataset / IterableDataset with the single column `text`."""
+def quiet_progress_bars() -> None:
+    """datasets' progress bars are for a terminal: in a log file they are lines of carriage returns.
+    Off when stderr (where they go) is not a terminal; left as they are on one."""
     import datasets
 
+    isatty = getattr(sys.stderr, "isatty", None)
+    if not (isatty and isatty()):
+        datasets.disable_progress_bars()
+
+
+@dataclass
+class Part:
+    """The files of one reader (json, parquet, ..., text) loaded as one dataset with the column `text`.
+    `files` is None for a Hub dataset."""
+
+    reader: str
+    files: list[str] | None
+    ds: object
+
+
+def _no_records(src, key: str, files: list[str]) -> UserError:
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if len(files) == 1:
+        what = f"the file '{files[0]}' is empty" if empty else f"the file '{files[0]}' holds no records"
+    else:
+        shown = ", ".join(f"'{f}'" for f in files[:3]) + (", ..." if len(files) > 3 else "")
+        what = f"its {len(files)} files ({shown}) are empty or hold no records"
+    if reader_for(files[0]) == "json":
+        form = f"one JSON object per line, with the text in its field '{src.text_field}'"
+    else:
+        form = f"rows with the text in the column '{src.text_field}'"
+    return UserError(
+        f"Source '{key}' ({src.path}) has no documents: {what}. Put records in it ({form}) or point "
+        f"'{key}.path' at the data."
+    )
+
+
+def load_parts(src, key: str, *, streaming: bool, files: list[str] | None = None) -> list[Part]:
+    """The source as one dataset per reader, each with the single column `text`, in reading order."""
+    import datasets
+
+    quiet_progress_bars()
     if files is None:
         files = resolve_files(src, key)
     if files is None:
@@ -163,12 +215,11 @@ def load_source(src, key: str, *, streaming: bool, files: list[str] | None = Non
             raise
         except Exception as e:
             raise hub_error(e, src, key) from None
-        return _text_column(ds, src.text_field, src, key, f"Hub dataset '{src.path}'")
+        return [Part("hub", None, _text_column(ds, src.text_field, src, key, f"Hub dataset '{src.path}'"))]
 
     parts = []
     for reader, group in groupby(sorted(files, key=reader_for), key=reader_for):
-        # an empty .py is an (empty) document; an empty table file is nothing, and datasets chokes on it
-        group = sorted(f for f in group if reader == "text" or os.path.getsize(f) > 0)
+        group = nonempty_files(reader, group)
         if not group:
             continue
         extra = {"sample_by": "document"} if reader == "text" else {}
@@ -177,31 +228,55 @@ def load_source(src, key: str, *, streaming: bool, files: list[str] | None = Non
                 reader, data_files=group, split=src.split, streaming=streaming, **extra
             )
         except ValueError as e:
-            if "split" in str(e).lower():
+            if "corresponds to no data" in str(e) and src.split == "train":
+                continue  # files of blank lines or [] only: no records, like empty files
+            if "split" in str(e).lower() or "corresponds to no data" in str(e):
                 raise UserError(
                     f"Config key '{key}.split' is '{src.split}', but local files only form the split 'train' "
-                    f"(slices like 'train[:90%]' work): {str(e).strip().splitlines()[0]}"
+                    f"(slices like 'train[:90%]' work, if they select any records): "
+                    f"{str(e).strip().splitlines()[0]}"
                 ) from None
             raise read_error(e, src, key, group) from None
         except Exception as e:
             raise read_error(e, src, key, group) from None
-        if reader == "text":
-            parts.append(ds)
-        else:
+        if streaming and ds.column_names == [] and next(iter(ds), None) is None:
+            continue  # blank lines only: no records (map-style reading says so with the ValueError above)
+        if reader != "text":
             what = f"'{group[0]}'" + (
                 f" (and {len(group) - 1} more {reader} files)" if len(group) > 1 else ""
             )
-            parts.append(_text_column(ds, src.text_field, src, key, what))
+            ds = _text_column(ds, src.text_field, src, key, what)
+        parts.append(Part(reader, group, ds))
     if not parts:
-        raise UserError(f"Source '{key}' ({src.path}) has no documents: its files are empty.")
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        raise _no_records(src, key, files)
+    return parts
 
 
-def check_source(src, key: str) -> None:
-    """Cheap checks before workers start: the files exist and the text column is there; a Hub dataset's
-    builder can be created (this needs the network or the HF cache)."""
+def load_source(src, key: str, *, streaming: bool, files: list[str] | None = None):
+    """The source as a Dataset / IterableDataset with the single column `text`."""
     import datasets
 
+    parts = load_parts(src, key, streaming=streaming, files=files)
+    if len(parts) == 1:
+        return parts[0].ds
+    try:
+        return datasets.concatenate_datasets([p.ds for p in parts])
+    except ValueError as e:  # the text column has different types in files of different formats
+        types = ", ".join(f"{p.reader} files: {p.ds.features['text']}" for p in parts if p.ds.features)
+        raise UserError(
+            f"Source '{key}' ({src.path}) mixes file formats whose '{src.text_field}' columns have different "
+            f"types ({types or e}), which a streaming source cannot combine: give each format its own source "
+            f"in data.sources, or make every '{src.text_field}' a string."
+        ) from None
+
+
+def check_source(src, key: str, skip_bad_records: bool = False) -> None:
+    """Cheap checks before workers start: the files exist and are not all empty, the text column is there
+    and the first record of each format holds a string; a Hub dataset's builder can be created (this
+    needs the network or the HF cache)."""
+    import datasets
+
+    quiet_progress_bars()
     if not src.weight > 0:
         raise UserError(f"Config key '{key}.weight' is {src.weight}; mixture weights must be positive.")
     files = resolve_files(src, key)
@@ -217,19 +292,32 @@ def check_source(src, key: str) -> None:
                 f"column; its columns are: {', '.join(features)}. Set '{key}.text_field' to the text column."
             )
         return
+    seen_records = False
     for reader, group in groupby(sorted(files, key=reader_for), key=reader_for):
         if reader == "text":
+            seen_records = True
             continue
-        first = sorted(group)[0]
+        group = nonempty_files(reader, group)
+        if not group:
+            continue
+        first = group[0]
         try:  # streaming reads only the first rows of the first file
             ds = datasets.load_dataset(reader, data_files=[first], split="train", streaming=True)
             row = next(iter(ds), None)
         except Exception as e:
             raise read_error(e, src, key, [first]) from None
         if row is None:
-            continue  # an empty file; the build reports an empty source as a whole
+            continue  # no records in its first file (blank lines only): the build tells if none has any
+        seen_records = True
         if src.text_field not in row:
             raise UserError(
                 f"Config key '{key}.text_field' is '{src.text_field}', but '{first}' has no such column; its "
                 f"columns are: {', '.join(row)}. Set '{key}.text_field' to the column holding the text."
             )
+        if not skip_bad_records and not isinstance(row[src.text_field], str):
+            from muonrun.data.records import Where, bad_record_error, locate
+
+            where = locate(reader, [first], src.text_field, index=0) or Where(first, 1, record=row)
+            raise bad_record_error(src, key, where)
+    if not seen_records and all(os.path.getsize(f) == 0 for f in files):
+        raise _no_records(src, key, files)
