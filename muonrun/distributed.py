@@ -152,7 +152,8 @@ class HostCopy:
         return self.host.tolist()
 
 
-def destroy() -> None:
+def destroy(barrier: bool = True) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

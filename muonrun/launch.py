@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from muonrun.errors import UserError
 
 USER_ERROR_EXIT = 2
 NON_FINITE_EXIT = 3
+ERROR_DIR_ENV = "MUONRUN_ERROR_DIR"  # where workers leave a user mistake's message for the launcher
 
 
 @dataclass
@@ -291,17 +293,21 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if plan.nnodes > 1:
         _announce_node(plan, endpoint)
+    error_dir = tempfile.TemporaryDirectory(prefix="muonrun-errors-")
+    os.environ[ERROR_DIR_ENV] = error_dir.name  # the spawned workers inherit it
     try:
         with _reporting_restarts(output_dir):
             elastic_launch(lc, worker_entry)(config_yaml)
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if codes == {USER_ERROR_EXIT}:
-            return USER_ERROR_EXIT  # the worker already printed the one-paragraph message
+        # A user mistake or a non-finite step found by any rank (the others may then have crashed in
+        # a collective with it): its one-paragraph message, which the worker left in the error folder.
+        for code in (USER_ERROR_EXIT, NON_FINITE_EXIT):
+            if any(f.exitcode == code for f in e.failures.values()):
+                messages = [p.read_text() for p in sorted(Path(os.environ[ERROR_DIR_ENV]).glob("rank*.txt"))]
+                for message in dict.fromkeys(messages):
+                    print(f"muonrun: {message}", file=sys.stderr, flush=True)
+                return code
         rank, failure = e.get_first_failure()
-        if failure.exitcode == NON_FINITE_EXIT:
-            # NaN/inf: every rank stopped, nothing of it saved; rank 0 printed the step
-            return NON_FINITE_EXIT
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         print(
             f"muonrun: worker rank {rank} failed (exit code {failure.exitcode}).\n{message}", file=sys.stderr
@@ -310,6 +316,8 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
     finally:
         for name, handler in previous.items():
             signal.signal(getattr(signal, name), handler)
+        os.environ.pop(ERROR_DIR_ENV, None)
+        error_dir.cleanup()
     return 0
 
 
@@ -352,6 +360,10 @@ def worker_entry(config_yaml: str) -> None:
     try:
         record(run_worker)(config_yaml)
     except (UserError, NonFiniteError) as e:
-        if os.environ.get("RANK", "0") == "0":
+        # The launcher prints it (once, whichever ranks found it); without a launcher, rank 0 does.
+        folder = os.environ.get(ERROR_DIR_ENV)
+        if folder:
+            (Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt").write_text(str(e))
+        elif os.environ.get("RANK", "0") == "0":
             print(f"muonrun: {e}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_EXIT if isinstance(e, UserError) else NON_FINITE_EXIT)

@@ -52,16 +52,27 @@ def test_two_worker_fsdp2_run_learns(tmp_path):
     assert "step     40/40" in result.stdout
 
 
-def test_worker_user_error_exits_2(tmp_path):
-    # The attention kernel is only resolved inside the workers: the message must still be one paragraph.
+def test_a_mistake_found_by_one_worker_alone_exits_2_with_its_message(tmp_path):
+    """A bad record that only rank 1 reads (a streaming source is split record by record across ranks):
+    rank 1 stops with a UserError while rank 0 trains on; the job must not hang waiting for rank 1,
+    and the launcher prints rank 1's one paragraph, exit 2, no traceback."""
+    corpus = tmp_path / "c.jsonl"
+    records = [{"text": f"document {i} " * 40} for i in range(200)]
+    records[1] = {"title": "rank 1's first record has no text"}
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
     result = muonrun(
         "pretrain",
         "tiny",
-        f"output_dir={tmp_path}",
-        "model.attn_implementation=no_such_kernel",
+        f"output_dir={tmp_path / 'run'}",
+        f"data.sources=[{{path: {corpus}, streaming: true}}]",
+        "data.eval_sources=[]",
+        "train.eval_interval=0",
+        "data.shuffle_buffer=50",
         "--nproc-per-node",
         "2",
+        timeout=180,
     )
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "model.attn_implementation" in result.stderr
+    text = " ".join(result.stderr.split())
+    assert "c.jsonl" in text and "has no 'text' field" in text and "data.skip_bad_records" in text, text
     assert "Traceback" not in result.stderr
