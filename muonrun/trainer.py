@@ -20,7 +20,7 @@ from muonrun.clip import clip_grad_norm
 from muonrun.config import Config
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
-from muonrun.hf import base_identity, export_hf, load_pretrained
+from muonrun.hf import export_hf, load_pretrained
 from muonrun.metrics import Metrics
 from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
 from muonrun.optim.build import build_optimizers
@@ -113,24 +113,19 @@ class Trainer:
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
 
         # Resume (or init_from) overwrites what was just initialised; a fresh start may take pretrained weights.
-        # LoRA: checkpoints hold what trains; the frozen base is read at every start, under the adapters.
-        lora = cfg.model.lora.enabled
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
             Path(cfg.output_dir) / "checkpoints",
             self.dist,
             states={
-                "model": ModelState(self.model, trainable_only=lora),
+                "model": ModelState(self.model),
                 "optim": OptimizerState(self.model, self.optimizers),
                 "train": self.state,
             },
             rank_states={"loader": self.loader, "rng": RNGState(self.dist.device)},
             confirm=self.settle,
-            identity={"base_model": base_identity(cfg.model.name_or_path, self.dist)} if lora else None,
         )
-        if lora:
-            load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
-        if self.checkpointer.load() is None and cfg.model.init == "pretrained" and not lora:
+        if self.checkpointer.load() is None and cfg.model.init == "pretrained":
             load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
         self.metrics = Metrics(
             cfg,
