@@ -1,6 +1,6 @@
 """Activation checkpointing, torch.compile and FSDP2 for a model on the meta device.
 
-Order matters (as in torchtitan): float8 conversion, then checkpoint and compile each decoder layer,
+Order matters (as in torchtitan): float8 conversion, then compile and checkpoint each decoder layer,
 then `fully_shard` each layer, then the root (embedding, final norm and the possibly tied LM head).
 Parameter names never change: the wrappers patch `forward` in place.
 """
@@ -21,22 +21,31 @@ from muonrun.model import decoder_layers
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> None:
-    """`full`: recompute every layer in backward; `selective`: every other layer (half the saving,
-    a third less recompute)."""
-    if mode == "none":
-        return
+def recomputed(i: int, mode: str) -> bool:
+    """Whether layer i is recomputed in backward: `full` every layer, `selective` every other one (half
+    the saving, a third less recompute), `none` none."""
+    return mode == "full" or (mode == "selective" and i % 2 == 0)
+
+
+def apply_compile_and_checkpointing(
+    layers: list[nn.Module], mode: str, compile: bool, backend: str = "inductor"
+) -> None:
+    """Activation checkpointing and torch.compile, per decoder layer. A recomputed layer runs its
+    compiled forward inside `checkpoint`: compiling a forward that calls `checkpoint` compiles nothing
+    (dynamo skips that frame and the layer runs eagerly). Patching the instance's forward keeps
+    FSDP2's hooks (on __call__) outside the recompute. Identical layers share one compiled graph
+    (tests/test_parallelize.py checks that every layer runs it and none recompiles)."""
     for i, layer in enumerate(layers):
-        if mode == "full" or i % 2 == 0:
-            # Patching the instance's forward keeps FSDP2's hooks (on __call__) outside the recompute.
-            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+        if recomputed(i, mode):
+            forward = torch.compile(layer.forward, backend=backend) if compile else layer.forward
+            layer.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+        elif compile:
+            layer.compile(backend=backend)
 
 
 def apply_compile(layers: list[nn.Module], backend: str = "inductor") -> None:
-    """Compile each decoder layer separately: identical layers share one compiled graph
-    (tests/test_parallelize.py checks that no layer recompiles)."""
-    for layer in layers:
-        layer.compile(backend=backend)
+    """torch.compile every layer (no activation checkpointing)."""
+    apply_compile_and_checkpointing(layers, "none", True, backend)
 
 
 def apply_fsdp(
@@ -60,8 +69,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig, device_ty
         from muonrun.float8 import apply_float8
 
         apply_float8(model, p.float8)
-    apply_activation_checkpointing(layers, p.activation_checkpointing)
-    if p.compile:
-        apply_compile(layers)
+    apply_compile_and_checkpointing(layers, p.activation_checkpointing, p.compile)
     apply_fsdp(model, layers, mesh, p, device_type)
     return model
