@@ -6,6 +6,7 @@ the FSDP2 shards; `muonrun export` turns a checkpoint into a folder `from_pretra
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -35,16 +36,18 @@ def read_run_config(checkpoint: Path) -> Config:
     return to_object(from_yaml(path.read_text()))
 
 
-def _hf_weight_files(name_or_path: str, d: Dist) -> dict[str, Path]:
-    """{tensor name: safetensors file} of a local folder or a Hub repo (downloaded once per node)."""
+def _hf_weight_files(name_or_path: str, d: Dist | None) -> dict[str, Path]:
+    """{tensor name: safetensors file} of a local folder or a Hub repo (downloaded once per node; `d`
+    None: a single process)."""
     folder = Path(name_or_path)
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
 
         patterns = ["*.safetensors", "*.safetensors.index.json", "config.json"]
-        if d.local_rank == 0:
+        if d is None or d.local_rank == 0:
             snapshot_download(name_or_path, allow_patterns=patterns)
-        dist.barrier()
+        if d is not None:
+            dist.barrier()
         folder = Path(snapshot_download(name_or_path, allow_patterns=patterns))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -69,8 +72,12 @@ def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from muonrun.lora import base_name, is_adapter
+
     files = _hf_weight_files(name_or_path, d)
-    params = list(lm.named_parameters())  # tied weights appear once, under the input embedding's name
+    # Tied weights appear once, under the input embedding's name; LoRA's adapters are not in the files
+    # and the layers they adapt hold the pretrained weight as `.base_layer.weight`.
+    params = [(base_name(n), p) for n, p in lm.named_parameters() if not is_adapter(n)]
     missing = [n for n, _ in params if n not in files]
     if missing:
         raise UserError(
@@ -103,6 +110,28 @@ def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist) -> None:
         _log(f"weights loaded from {name_or_path} (model.init=pretrained)")
 
 
+def base_identity(name_or_path: str, d: Dist | None = None) -> dict[str, str]:
+    """What a LoRA checkpoint records of the base model it adapts: the name, and a fingerprint of its
+    weights: SHA-256 over every tensor's name, dtype, shape and first 4 KiB, read from the safetensors
+    headers and data (a few MB read at every start). Another model or another fine-tune of the same one
+    differs; a copy in another folder, or the weights split into other files, does not."""
+    tensors = []  # (name, dtype, shape, file, data offset, bytes)
+    for path in set(_hf_weight_files(name_or_path, d).values()):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                begin, end = info["data_offsets"]
+                tensors.append((name, info["dtype"], info["shape"], path, 8 + size + begin, end - begin))
+    digest = hashlib.sha256()
+    for name, dtype, shape, path, offset, length in sorted(tensors):
+        with open(path, "rb") as f:
+            f.seek(offset)
+            digest.update(json.dumps([name, dtype, shape]).encode() + f.read(min(4096, length)))
+    return {"name_or_path": name_or_path, "fingerprint": digest.hexdigest()}
+
+
 BYTE_TOKENIZER_NOTE = (
     "Tokenizer: muonrun's built-in byte-level tokenizer, so this folder has no tokenizer files. Token ids "
     "0-255 are the UTF-8 bytes of the text, 256 is end-of-document (EOS): encode with "
@@ -110,10 +139,67 @@ BYTE_TOKENIZER_NOTE = (
 )
 
 
-def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32") -> Path:
+def adapted_model(cfg: Config, hf_config, checkpoint: Path, trained: dict[str, torch.Tensor]):
+    """A LoRA run's base model (from its `model.name_or_path`, checked against the fingerprint the
+    checkpoint recorded) with the checkpoint's adapters and other trained weights, as a peft model.
+    Parameters `model.lora.train` trained become peft's `modules_to_save`, so an adapter folder carries
+    them too (a tied embedding stays tied to the LM head)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.logging import disable_progress_bar
+
+    from muonrun.lora import ADAPTER, is_adapter, peft_config, require_peft
+
+    require_peft()
+    from peft import get_peft_model
+
+    base = cfg.model.name_or_path
+    saved = read_meta(checkpoint).get("identity", {}).get("base_model", {})
+    found = base_identity(base)
+    if saved.get("fingerprint") != found["fingerprint"]:
+        raise UserError(
+            f"Checkpoint '{checkpoint}' holds LoRA adapters trained on '{saved.get('name_or_path')}' (fingerprint "
+            f"{str(saved.get('fingerprint'))[:12]}), but '{base}' (model.name_or_path in its run's config.yaml) "
+            f"now holds other weights (fingerprint {found['fingerprint'][:12]}): the export needs the base model "
+            "the adapters were trained on."
+        )
+    disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        base, config=hf_config, dtype=torch.float32, trust_remote_code=cfg.model.trust_remote_code
+    )
+    config = peft_config(model, cfg.model.lora)
+    config.modules_to_save = sorted({n.rsplit(".", 1)[0] for n in trained if not is_adapter(n)}) or None
+    config.ensure_weight_tying = bool(
+        config.modules_to_save and getattr(hf_config, "tie_word_embeddings", False)
+    )
+    with warnings.catch_warnings():  # peft asks the model for a property transformers renamed
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
+    params = dict(peft_model.named_parameters())
+    for name, tensor in trained.items():
+        module, _, leaf = name.rpartition(".")
+        key = "base_model.model." + (
+            name if is_adapter(name) else f"{module}.modules_to_save.{ADAPTER}.{leaf}"
+        )
+        if key not in params:
+            raise UserError(
+                f"Checkpoint '{checkpoint}' holds '{name}', which the LoRA model of its run's config.yaml lacks: "
+                "its model.lora settings changed after the run."
+            )
+        with torch.no_grad():
+            params[key].copy_(tensor)
+    return peft_model
+
+
+def export_hf(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32", adapter_only: bool = False
+) -> Path:
     """Write a Hugging Face folder (config.json, safetensors, tokenizer files or a README note) that
-    `AutoModelForCausalLM.from_pretrained(out)` loads. Runs on one process; needs CPU memory for one
-    full copy of the model in `dtype`."""
+    `AutoModelForCausalLM.from_pretrained(out)` loads; a LoRA run's adapters merged into its base.
+    `adapter_only`: a LoRA run's adapter folder (adapter_config.json, adapter_model.safetensors) for
+    `peft.PeftModel.from_pretrained(base, out)`. Runs on one process; needs CPU memory for one full
+    copy of the model in `dtype` (LoRA: in float32 as well)."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -130,9 +216,21 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"Export dtype '{dtype}' is not one of float32, bfloat16, float16.")
     cfg = read_run_config(checkpoint)
+    lora = cfg.model.lora.enabled
+    if adapter_only and not lora:
+        raise UserError(
+            f"--adapter-only: checkpoint '{checkpoint}' is of a run that trained every weight (model.lora.enabled "
+            "is false in its config.yaml), so there is no adapter; export it without --adapter-only."
+        )
     tok = build_tokenizer(cfg.data.tokenizer)
     hf_config = build_hf_config(cfg.model, tok.vocab_size)
-    sd = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in load_model_tensors(checkpoint).items()}
+    sd = load_model_tensors(checkpoint)
+    if lora:
+        adapted = adapted_model(cfg, hf_config, checkpoint, sd)
+        if adapter_only:
+            return _write_adapter(adapted.to(getattr(torch, dtype)), out, cfg, tok, checkpoint, dtype)
+        sd = adapted.merge_and_unload().state_dict()
+    sd = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sd.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # transformers ties it back to the input embedding
     out.mkdir(parents=True, exist_ok=True)
@@ -158,11 +256,34 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
         hf_config.pad_token_id = tok.hf.pad_token_id
         note = f"Tokenizer: `{cfg.data.tokenizer}` (files included)."
     hf_config.save_pretrained(out)
-    meta = read_meta(checkpoint)
+    merged = f" LoRA adapters merged into `{cfg.model.name_or_path}`." if lora else ""
     (out / "README.md").write_text(
-        f"# {cfg.name} (muonrun export)\n\nExported from `{checkpoint}` (step {meta['step']}, "
-        f"{meta['tokens_seen']:,} training tokens), weights in {dtype}.\n\n{note}\n\n"
+        f"# {cfg.name} (muonrun export)\n\n{_exported_from(checkpoint, dtype)}{merged}\n\n{note}\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM\n"
         f'model = AutoModelForCausalLM.from_pretrained("{out}")\n```\n'
+    )
+    return out
+
+
+def _exported_from(checkpoint: Path, dtype: str) -> str:
+    meta = read_meta(checkpoint)
+    return (
+        f"Exported from `{checkpoint}` (step {meta['step']}, {meta['tokens_seen']:,} training tokens), "
+        f"weights in {dtype}."
+    )
+
+
+def _write_adapter(adapted, out: Path, cfg: Config, tok, checkpoint: Path, dtype: str) -> Path:
+    """peft's adapter folder, the tokenizer beside it (unless the byte tokenizer), and a README."""
+    adapted.save_pretrained(out)
+    note = BYTE_TOKENIZER_NOTE if cfg.data.tokenizer == "byte" else f"Tokenizer: `{cfg.data.tokenizer}`."
+    if cfg.data.tokenizer != "byte":
+        tok.hf.save_pretrained(out)
+    base = cfg.model.name_or_path
+    (out / "README.md").write_text(
+        f"# {cfg.name} (muonrun export: LoRA adapter)\n\n{_exported_from(checkpoint, dtype)} The adapter of "
+        f"`{base}`.\n\n{note}\n\n```python\nfrom peft import PeftModel\nfrom transformers import "
+        f'AutoModelForCausalLM\n\nbase = AutoModelForCausalLM.from_pretrained("{base}")\n'
+        f'model = PeftModel.from_pretrained(base, "{out}")\n```\n'
     )
     return out

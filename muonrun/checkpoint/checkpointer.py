@@ -80,7 +80,10 @@ def _log(msg: str, loud: bool = False) -> None:
 class Checkpointer:
     """Built from the parts it saves: `states` (sharded, through DCP; `states["train"]` holds `step`
     and `tokens_seen`) and `rank_states` (this rank's own: data position, RNG). `confirm()` is called
-    before any save and raises if the step just taken must not be saved (a non-finite loss)."""
+    before any save and raises if the step just taken must not be saved (a non-finite loss).
+    `identity` ({what: {"name_or_path": ..., "fingerprint": ...}}, e.g. a LoRA run's base model) is what
+    the saved states only make sense on top of: written into every checkpoint, and a checkpoint whose
+    fingerprints differ is refused at load."""
 
     def __init__(
         self,
@@ -90,8 +93,10 @@ class Checkpointer:
         states: dict,
         rank_states: dict,
         confirm: Callable[[], None] = lambda: None,
+        identity: dict[str, dict] | None = None,
     ):
         self.cfg, self.root, self.dist = cfg, root, d
+        self.identity = identity or {}
         self.states, self.rank_states, self.confirm = states, rank_states, confirm
         self.flag = StopFlag()
         self._published: int | None = None
@@ -201,6 +206,8 @@ class Checkpointer:
                 "muonrun": __version__,
                 "files": files,
             }
+            if self.identity:
+                meta["identity"] = self.identity
             write_synced(tmp / META, json.dumps(seal(meta), indent=1).encode())
             replaced = None
             if final.exists():  # a rerun from an earlier checkpoint reaches this step again
@@ -317,6 +324,7 @@ class Checkpointer:
         if choice is None:
             return None
         kind, path = choice
+        self._check_identity(path)
         if kind == "init":
             self._dcp_load({"model": self.states["model"]}, path)
             if self.dist.is_main:
@@ -335,6 +343,29 @@ class Checkpointer:
             resharded = f" (saved by {saved_by} ranks, resharded)" if saved_by != self.dist.world_size else ""
             _log(f"resumed from {path} at step {step}{resharded}")
         return path
+
+    def _check_identity(self, path: Path) -> None:
+        """Refuse a checkpoint saved on top of something else than this run (another base model)."""
+        saved = read_meta(path).get("identity", {})
+        keys = sorted(saved.keys() | self.identity.keys())
+        if all(
+            saved.get(k, {}).get("fingerprint") == self.identity.get(k, {}).get("fingerprint") for k in keys
+        ):
+            return
+
+        def describe(identity: dict, key: str) -> str:
+            if key not in identity:
+                return f"no {key}"
+            entry = identity[key]
+            return f"{key} '{entry.get('name_or_path')}' (fingerprint {str(entry.get('fingerprint'))[:12]})"
+
+        theirs = ", ".join(describe(saved, k) for k in keys)
+        ours = ", ".join(describe(self.identity, k) for k in keys)
+        raise UserError(
+            f"Checkpoint '{path}' was saved on {theirs}, but this run has {ours}. Its weights only make sense "
+            "on what they were trained on: set model.name_or_path (and model.lora) as in that run, or start "
+            "a new output_dir."
+        )
 
     @staticmethod
     def _dcp_load(state: dict, path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -38,16 +39,20 @@ def add_aliases(model: nn.Module, sd: dict) -> dict:
 
 
 class ModelState:
-    """The model's weights (sharded DTensors: DCP saves each rank's shard and reshards on load)."""
+    """The model's weights (sharded DTensors: DCP saves each rank's shard and reshards on load). With
+    `trainable_only` (LoRA) only the parameters that train: the frozen ones come from elsewhere at
+    every start (the pretrained base's own files)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, trainable_only: bool = False):
         self.model = model
+        # the keys loaded are those state_dict() gave, so a missing frozen key is expected, never a miss
+        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
     def state_dict(self) -> dict:
-        return drop_aliases(self.model, get_model_state_dict(self.model))
+        return drop_aliases(self.model, get_model_state_dict(self.model, options=self.options))
 
     def load_state_dict(self, sd: dict) -> None:
-        set_model_state_dict(self.model, add_aliases(self.model, sd))
+        set_model_state_dict(self.model, add_aliases(self.model, sd), options=self.options)
 
 
 class OptimizerState:
