@@ -28,6 +28,7 @@ TorchMuon = torch.optim.Muon
 SHAPES = [(16, 32), (48, 12), (24, 24), (16, 32), (16, 32), (7, 5), (1, 9), (9, 1)]
 LR = 0.05
 RTOL = 0.02  # of how far the reference moved: bf16 Newton–Schulz rounding may differ by one ulp
+RTOL_FP32 = 1e-5  # fp32 Newton–Schulz: the same sums in other orders
 
 
 @pytest.fixture(autouse=True)
@@ -52,30 +53,60 @@ def set_grads(params_lists, step, shapes=SHAPES):
             p.grad = grad.clone()
 
 
-def assert_matches(ours, ref, init):
+def assert_matches(ours, ref, init, rtol=RTOL):
     for p, q, q0 in zip(ours, ref, init, strict=True):
         diff = (p - q).abs().max().item()
         moved = (q - q0).abs().max().item()
         assert moved > 0
-        assert diff <= RTOL * moved + 1e-7, (tuple(p.shape), diff, moved)
+        assert diff <= rtol * moved + 1e-7, (tuple(p.shape), diff, moved)
 
 
+def torch_sequence(G, dtype, ns_coefficients=DEFAULT_NS_COEFFICIENTS, ns_steps=5, eps=1e-7):
+    """torch.optim.Muon's ``_zeropower_via_newtonschulz``, line for line, with its cast to bf16 made a
+    cast to ``dtype`` (bitwise torch's own in bf16: test_fp32_newton_schulz_is_torchs_sequence_in_fp32)."""
+    a, b, c = ns_coefficients
+    X = G.to(dtype, copy=True)  # torch.optim.Muon passes its momentum buffer itself without Nesterov
+    if G.size(0) > G.size(1):
+        X = X.T
+    X.div_(X.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.addmm(X, B, X, beta=a)
+    return X.T if G.size(0) > G.size(1) else X
+
+
+@pytest.fixture
+def torch_muon_in_fp32(monkeypatch):
+    """torch.optim.Muon with its Newton–Schulz run in fp32 instead of bf16."""
+    monkeypatch.setattr(
+        torch_muon,
+        "_zeropower_via_newtonschulz",
+        lambda grad, coefficients, steps, eps: torch_sequence(grad, torch.float32, coefficients, steps, eps),
+    )
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "adjust_lr_fn,nesterov,weight_decay",
     list(itertools.product([None, "original", "match_rms_adamw"], [True, False], [0.0, 0.1])),
 )
-def test_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
+def test_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay, ns_dtype, request):
+    """bf16: torch.optim.Muon itself; fp32 (the CPU path): torch.optim.Muon with its Newton–Schulz cast
+    to fp32 instead of bf16, to fp32 rounding."""
+    if ns_dtype == torch.float32:
+        request.getfixturevalue("torch_muon_in_fp32")
     init = make_params()
     ours = [p.clone() for p in init]
     ref = [p.clone() for p in init]
     kw = dict(lr=LR, weight_decay=weight_decay, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    opt, ref_opt = Muon(ours, **kw), TorchMuon(ref, **kw)
+    opt, ref_opt = Muon(ours, **kw, ns_dtype=ns_dtype), TorchMuon(ref, **kw)
     for step in range(10):
         set_grads([ours, ref], step)
         opt.step()
         ref_opt.step()
         if step in (0, 9):
-            assert_matches(ours, ref, init)
+            assert_matches(ours, ref, init, RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32)
     assert opt.stats["orthogonalized"] == 10 * len(SHAPES)
     assert opt.stats["all_to_all"] == 0
 
@@ -134,6 +165,40 @@ def test_defaults_match_torch():
         assert torch.equal(
             newton_schulz(M), torch_muon._zeropower_via_newtonschulz(M, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
         )
+
+
+def test_fp32_newton_schulz_is_torchs_sequence_in_fp32():
+    """``dtype=torch.float32`` runs torch's iteration in fp32 (the reference cast to bf16 is torch's,
+    bit for bit), batched, without transposing tall matrices: equal to fp32 rounding."""
+    g = torch.Generator().manual_seed(11)
+    for shape in [(16, 32), (48, 12), (24, 24)]:
+        G = torch.randn(3, *shape, generator=g)
+        ours = newton_schulz(G, dtype=torch.float32)
+        assert ours.dtype == torch.float32
+        for i in range(3):
+            assert torch.equal(
+                torch_sequence(G[i], torch.bfloat16),
+                torch_muon._zeropower_via_newtonschulz(G[i], DEFAULT_NS_COEFFICIENTS, 5, 1e-7),
+            )
+            torch.testing.assert_close(ours[i], torch_sequence(G[i], torch.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_ns_dtype_is_bf16_on_gpus_and_fp32_on_cpus_without_native_bf16(monkeypatch):
+    from muonrun.optim.newton_schulz import ns_dtype_for
+
+    assert ns_dtype_for("auto", "cuda") == torch.bfloat16
+    assert (
+        ns_dtype_for("float32", "cuda") == torch.float32 and ns_dtype_for("bfloat16", "cpu") == torch.bfloat16
+    )
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert ns_dtype_for("auto", "cpu") == torch.float32
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert ns_dtype_for("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert ns_dtype_for("auto", "cpu") == torch.float32
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon([torch.zeros(2, 3)], ns_dtype=torch.float16)
 
 
 def spectral_reference(init, steps, lr, weight_decay, momentum, nesterov):
@@ -272,14 +337,32 @@ def test_gram_newton_schulz_in_bf16_is_as_close_to_the_polar_factor():
             assert s.min() > 0.6 and s.max() < 1.4, (coefficients, s.min(), s.max())
 
 
-def test_ns_flops_per_rank_splits_matrices_but_never_one_matrix():
+def test_owners_balance_newton_schulz_flops_where_round_robin_cannot():
+    from muonrun.optim.sharding import owner_flops
     from muonrun.plan import ns_flops_per_rank
 
-    shapes = [(3, 5), (3, 5), (2, 2)]  # 1170 + 1170 + 240 FLOPs with 5 steps
-    assert ns_flops_per_rank(shapes, 5, 1) == 2580
-    assert ns_flops_per_rank(shapes, 5, 2) == 1290
-    assert ns_flops_per_rank(shapes, 5, 8) == 1170  # one whole (3, 5) matrix on some rank
-    assert ns_flops_per_rank(shapes, 5, 1, gram=True) < 2580  # (3, 5) is 1.67x wider than tall
+    big, small = newton_schulz_flops((4, 4)), newton_schulz_flops((2, 2))  # 1920, 240 with 5 steps
+    shapes = [(4, 4)] * 3 + [(2, 2)] * 3
+    per_rank = ns_flops_per_rank(shapes, 5, 2)
+    # round-robin per shape: big, small, big on rank 0; greedy: the third big one's rank gets no small one
+    assert per_rank == {
+        "round_robin": [2 * big + small, big + 2 * small],
+        "balanced": [2 * big, big + 3 * small],
+    }
+    assert owner_flops(shapes, 1) == {"round_robin": [3 * big + 3 * small]} | {
+        "balanced": [3 * big + 3 * small]
+    }
+    # a matrix is never split: with more ranks than matrices some ranks idle
+    assert sorted(owner_flops(shapes, 8)["balanced"]) == [0, 0] + [small] * 3 + [big] * 3
+    assert owner_flops([(3, 5)], 1, gram=True)["balanced"][0] < newton_schulz_flops((3, 5))  # Gram form
+    # the same owners however the matrices are bucketed, when the split does not matter
+    assert owner_flops(shapes, 2, bucket_numel=16)["balanced"] == per_rank["balanced"]
+    # Qwen2-1.5B's 196 matrices on 8 ranks: 84 MLP matrices do not divide by 8
+    h, i, kv = 1536, 8960, 256
+    qwen = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * 28
+    per_rank = owner_flops(qwen, 8)
+    average = sum(per_rank["balanced"]) / 8
+    assert max(per_rank["round_robin"]) > 1.04 * average and max(per_rank["balanced"]) < 1.001 * average
 
 
 def test_polar_express_option_steps():
@@ -334,24 +417,171 @@ def test_changing_ns_settings_between_steps_takes_effect():
     assert part.ns.per_step == POLAR_EXPRESS_COEFFICIENTS[:3]
 
 
-def test_state_dict_round_trip():
+@pytest.mark.parametrize("variant", ["muon", "normuon"])
+def test_state_dict_round_trip(variant):
     init = make_params(7)
     a = [p.clone() for p in init]
-    opt = Muon(a, lr=LR)
+    opt = Muon(a, lr=LR, variant=variant)
     for step in range(3):
         set_grads([a], step)
         opt.step()
-    assert all(set(opt.state[p]) == {"momentum_buffer"} for p in a)
+    keys = {"momentum_buffer", "second_moment"} if variant == "normuon" else {"momentum_buffer"}
+    assert all(set(opt.state[p]) == keys for p in a)
     assert all(opt.state[p]["momentum_buffer"].shape == p.shape for p in a)
     b = [p.clone() for p in a]
-    opt_b = Muon(b, lr=LR)
-    opt_b.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict may alias tensors
+    opt_b = Muon(b, lr=LR, variant=variant)
+    saved = copy.deepcopy(opt.state_dict())  # load_state_dict may alias tensors
+    if variant == "muon":  # saved before NorMuon's settings existed: their defaults
+        for group in saved["param_groups"]:
+            del group["variant"], group["beta2"], group["normuon_eps"]
+    opt_b.load_state_dict(saved)
     for step in range(3, 6):
         set_grads([a, b], step)
         opt.step()
         opt_b.step()
     for p, q in zip(a, b, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "adjust_lr_fn,nesterov,weight_decay", [("match_rms_adamw", False, 0.1), ("original", True, 0.0)]
+)
+def test_normuon_matches_the_paper(adjust_lr_fn, nesterov, weight_decay, ns_dtype):
+    """NorMuon on one device against NorMuonReference, written from arXiv:2510.05491 (with
+    match_rms_adamw, the paper's step 0.2 lr sqrt(m n) / ||Ô||_F), after 1 and 10 steps."""
+    from tests.dist.muon_worker import NorMuonReference, reference_ns
+
+    init = make_params(12)
+    ours, ref = [p.clone() for p in init], [p.clone() for p in init]
+    kw = dict(lr=LR, weight_decay=weight_decay, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    opt = Muon(ours, **kw, variant="normuon", beta2=0.9, ns_dtype=ns_dtype)
+    ref_opt = NorMuonReference(ref, reference_ns(False, False, ns_dtype), **kw, beta2=0.9)
+    for step in range(10):
+        set_grads([ours, ref], step)
+        opt.step()
+        ref_opt.step()
+        if step in (0, 9):
+            # bf16: the update returns in bf16 (2^-9 relative), the reference keeps it in fp32
+            assert_matches(ours, ref, init, RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32)
+    for p, q in zip(ours, ref, strict=True):
+        v = opt.state[p]["second_moment"]
+        assert v.dtype == torch.float32 and v.shape == (p.shape[0],)
+        torch.testing.assert_close(v, ref_opt.state[q]["second_moment"], rtol=RTOL, atol=0)
+
+
+def test_normuon_equalizes_rows_and_keeps_an_orthogonal_matrix_norm():
+    """From zero second moments one step divides every row by its own RMS: all rows of the update
+    have the same norm, and the whole has the Frobenius norm sqrt(min(m, n)) of an orthogonal one."""
+    from muonrun.optim.newton_schulz import normuon_normalize
+
+    X = newton_schulz(
+        torch.randn(2, 12, 40, generator=torch.Generator().manual_seed(13)), dtype=torch.float32
+    )
+    X[:, 0] *= 5  # one loud neuron
+    U, v = normuon_normalize(X, torch.zeros(2, 12), beta2=0.95, eps=1e-8)
+    rows = U.norm(dim=-1)
+    torch.testing.assert_close(rows, rows[:, :1].expand_as(rows), rtol=1e-4, atol=0)
+    torch.testing.assert_close(U.norm(dim=(-2, -1)), torch.full((2,), math.sqrt(12)))
+    torch.testing.assert_close(v, 0.05 * X.square().mean(-1))
+    assert torch.count_nonzero(normuon_normalize(torch.zeros(1, 3, 4), torch.zeros(1, 3), 0.95, 1e-8)[0]) == 0
+
+
+def test_telemetry_keys_and_values_on_one_device():
+    """Muon and AdamW fill `telemetry` with 0-d tensors equal to what they did, and collecting it
+    changes nothing they compute."""
+    from muonrun.optim import AdamW
+    from muonrun.optim.newton_schulz import orthogonality_residual
+
+    init = make_params(14)
+    for variant in ("muon", "normuon"):
+        quiet, loud = [p.clone() for p in init], [p.clone() for p in init]
+        opts = [Muon(ps, lr=LR, weight_decay=0.1, variant=variant) for ps in (quiet, loud)]
+        opts[1].collect_telemetry = True
+        for step in range(3):
+            set_grads([quiet, loud], step)
+            before = [p.clone() for p in loud]
+            bufs = [
+                opts[1].state[p]["momentum_buffer"].clone() if step else torch.zeros_like(p) for p in loud
+            ]
+            for o in opts:
+                o.step()
+        assert all(torch.equal(p, q) for p, q in zip(quiet, loud, strict=True)) and opts[0].telemetry == {}
+        tel = opts[1].telemetry
+        assert set(tel) == {"update_rms", "momentum_norm", "ortho_residual"}
+        assert all(t.ndim == 0 and t.dtype == torch.float32 for t in tel.values())
+        numel = sum(p.numel() for p in loud)
+        update = torch.cat([(p - b).flatten() for p, b in zip(loud, before, strict=True)])
+        torch.testing.assert_close(
+            tel["update_rms"], update.square().sum().div(numel).sqrt(), rtol=1e-3, atol=0
+        )
+        momenta = [opts[1].state[p]["momentum_buffer"] for p in loud]
+        torch.testing.assert_close(tel["momentum_norm"], torch.cat([m.flatten() for m in momenta]).norm())
+        # the sampled matrix: the first one orthogonalised (here the first parameter), Nesterov
+        u = loud[0].grad.lerp(bufs[0].lerp(loud[0].grad, 0.05), 0.95)
+        torch.testing.assert_close(
+            tel["ortho_residual"], orthogonality_residual(newton_schulz(u)), rtol=1e-3, atol=0
+        )
+
+    quiet, loud = [p.clone() for p in init], [p.clone() for p in init]
+    opts = [AdamW(ps, lr=0.01, weight_decay=0.1) for ps in (quiet, loud)]
+    opts[1].collect_telemetry = True
+    for step in range(2):
+        set_grads([quiet, loud], step)
+        before = [p.clone() for p in loud]
+        for o in opts:
+            o.step()
+    assert all(torch.equal(p, q) for p, q in zip(quiet, loud, strict=True)) and opts[0].telemetry == {}
+    tel = opts[1].telemetry
+    assert set(tel) == {"update_rms", "momentum_norm"} and all(t.ndim == 0 for t in tel.values())
+    update = torch.cat([(p - b).flatten() for p, b in zip(loud, before, strict=True)])
+    torch.testing.assert_close(tel["update_rms"], update.square().mean().sqrt())
+    exp_avg = torch.cat([opts[1].state[p]["exp_avg"].flatten() for p in loud])
+    torch.testing.assert_close(tel["momentum_norm"], exp_avg.norm())
+
+
+def test_normuon_settings_reach_the_optimizer_from_the_config():
+    from muonrun.config import load_config, to_object
+    from muonrun.optim.build import build_optimizers
+    from tests.test_groups import tiny_qwen2
+
+    overrides = [
+        "optimizer.muon.variant=normuon",
+        "optimizer.muon.beta2=0.9",
+        "optimizer.muon.ns_dtype=float32",
+    ]
+    muon = build_optimizers(
+        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", overrides)).optimizer, "cpu"
+    )[0]
+    assert muon.defaults["variant"] == "normuon" and muon.defaults["beta2"] == 0.9
+    assert muon.ns_dtype == torch.float32
+    muon = build_optimizers(
+        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", [])).optimizer, "cuda"
+    )[0]
+    assert muon.ns_dtype == torch.bfloat16 and muon.defaults["variant"] == "muon"  # the defaults: auto, muon
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_muon_keeps_torchs_bf16_newton_schulz():
+    """The CPU's fp32 choice leaves GPUs alone: there the builder picks bf16, and Muon steps as
+    torch.optim.Muon does (bit for bit where the bf16 norm rounds alike); NorMuon runs there too."""
+    from muonrun.optim.newton_schulz import ns_dtype_for
+
+    assert ns_dtype_for("auto", "cuda") == torch.bfloat16
+    init = [p.cuda() for p in make_params(15)]
+    ours, ref, nor = ([p.clone() for p in init] for _ in range(3))
+    opt, ref_opt = Muon(ours, lr=LR, weight_decay=0.1), TorchMuon(ref, lr=LR, weight_decay=0.1)
+    nor_opt = Muon(nor, lr=LR, variant="normuon", adjust_lr_fn="match_rms_adamw")
+    for step in range(10):
+        grads = make_params(100 + step)
+        for ps in (ours, ref, nor):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.cuda()
+        for o in (opt, ref_opt, nor_opt):
+            o.step()
+    assert_matches(ours, ref, init)
+    assert sum(torch.equal(p, q) for p, q in zip(ours, ref, strict=True)) >= len(SHAPES) // 2
+    assert all(torch.isfinite(p).all() for p in nor)
 
 
 def test_rejects_bad_params():
@@ -363,6 +593,10 @@ def test_rejects_bad_params():
         Muon([torch.zeros(2, 3)], adjust_lr_fn="bogus")
     with pytest.raises(ValueError):
         Muon([torch.zeros(2, 3)], lr=-1.0)
+    with pytest.raises(ValueError, match="variant"):
+        Muon([torch.zeros(2, 3)], variant="adamuon")
+    with pytest.raises(ValueError, match="beta2"):
+        Muon([torch.zeros(2, 3)], variant="normuon", beta2=1.0)
 
 
 def test_rejects_tensor_parallel_placement():

@@ -1,7 +1,8 @@
 """Muon and AdamW for FSDP2-sharded models, usable without the rest of muonrun.
 
 - ``Muon`` (``muonrun.optim.muon``): Muon on plain tensors and FSDP2/HSDP DTensors, each matrix
-  orthogonalised once per shard group; same arguments and results as ``torch.optim.Muon``.
+  orthogonalised once per shard group; same arguments and results as ``torch.optim.Muon``;
+  ``variant="normuon"`` is NorMuon (rows normalised after Newton–Schulz).
 - ``AdamW`` (``muonrun.optim.adamw``): ``torch.optim.AdamW`` stepping the local shards.
 - ``split_params`` (``muonrun.optim.groups``): which parameters Muon may touch (hidden matrices,
   by module and name) and which go to AdamW (embeddings, LM head, norms, biases).

@@ -19,13 +19,55 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from muonrun.distributed import local_tensor
+from muonrun.optim.telemetry import Sums, reduce_group, sum_of_squares
 
 
 class AdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose step runs on the local shards of DTensor parameters (plain tensors
-    pass through). Each gradient must be laid out like its parameter, as FSDP2's are."""
+    pass through). Each gradient must be laid out like its parameter, as FSDP2's are.
+
+    Telemetry: with `collect_telemetry = True` every `step()` fills `self.telemetry` with 0-d fp32
+    tensors on the parameters' device, global over their shard group (one `all_reduce` of two numbers
+    per step, no host synchronisation; read them late): `update_rms`, the RMS of what the step changed
+    (weight decay included) over all the parameters it stepped, and `momentum_norm`, the L2 norm of
+    all the `exp_avg` after the step. It keeps a copy of the stepped local shards during the step.
+    """
 
     _checked: frozenset[int] = frozenset()  # ids of the param groups whose layout was checked
+    collect_telemetry: bool = False
+    """Fill `self.telemetry` during `step()` (see the class docstring); set by the trainer."""
+    telemetry: dict[str, Tensor] = {}  # replaced, never mutated: each collecting step assigns a new dict
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.collect_telemetry:
+            return super().step(closure)
+        loss = None
+        if closure is not None:  # first, so that the gradients it makes are known
+            with torch.enable_grad():
+                loss = closure()
+        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        before = [local_tensor(p).clone() for p in stepped]
+        super().step()
+        if not stepped:
+            return loss
+        sums = Sums(("update", "momentum"), local_tensor(stepped[0]).device)
+        by_group: dict[int, tuple[object, list[int]]] = {}
+        for i, p in enumerate(stepped):
+            group = reduce_group(p)
+            by_group.setdefault(id(group), (group, []))[1].append(i)
+        for group, idx in by_group.values():
+            now = [local_tensor(stepped[i]) for i in idx]
+            sums.add(group, "update", sum_of_squares(torch._foreach_sub(now, [before[i] for i in idx])))
+            exp_avg = [local_tensor(self.state[stepped[i]]["exp_avg"]) for i in idx]
+            sums.add(group, "momentum", sum_of_squares(exp_avg))
+        total = sums.total()
+        numel = sum(p.numel() for p in stepped)
+        self.telemetry = {
+            "update_rms": (total["update"] / numel).sqrt(),
+            "momentum_norm": total["momentum"].sqrt(),
+        }
+        return loss
 
     def _init_group(self, group: dict, *lists: list[Tensor]):
         # torch fills (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps) here and

@@ -16,7 +16,7 @@ from muonrun.config import OptimizerConfig
 from muonrun.optim.adamw import AdamW
 from muonrun.optim.groups import split_params
 from muonrun.optim.muon import Muon
-from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS
+from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
 
 
 def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> AdamW:
@@ -55,9 +55,13 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         ns_steps=m.ns_steps,
         adjust_lr_fn=m.adjust_lr_fn,
         gram=m.gram_ns,
+        variant=m.variant,
+        beta2=m.beta2,
+        ns_dtype=ns_dtype_for(m.ns_dtype, device_type),
     )
-    adamw = _adamw(_adamw_groups(split.adamw_decay, split.adamw_no_decay, o), o, device_type)
-    return [muon, adamw]
+    adamw_groups = _adamw_groups(split.adamw_decay, split.adamw_no_decay, o)
+    # LoRA: when only the adapters train, all that trains is Muon's (their A and B) and no AdamW is needed.
+    return [muon, _adamw(adamw_groups, o, device_type)] if adamw_groups else [muon]
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, str], list[torch.optim.Optimizer]]] = {

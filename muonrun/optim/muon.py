@@ -8,6 +8,8 @@ References
   weight decay and the ``match_rms_adamw`` lr scaling.
 - K. Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv:2504.13074 -- the all-to-all
   "owner computes" layout used here for sharded parameters.
+- Z. Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491 -- the
+  ``variant="normuon"`` per-row normalisation (``newton_schulz.normuon_normalize``).
 - The Newton–Schulz variants (Polar Express coefficients, the Gram form) and the lr scalings are
   cited in ``muonrun.optim.newton_schulz``.
 
@@ -21,13 +23,20 @@ it is given is 2-D, but cannot tell an embedding from a hidden matrix by itself.
 Reference semantics
 -------------------
 With the same arguments and gradients, :class:`Muon` gives the parameters that
-``torch.optim.Muon`` gives (up to bf16 rounding of the Newton–Schulz products)::
+``torch.optim.Muon`` gives (up to bf16 rounding of the Newton–Schulz products; with
+``ns_dtype=torch.float32``, torch's sequence in fp32)::
 
     buf.lerp_(grad, 1 - momentum)                           # B = mu*B + (1-mu)*G
     u = grad.lerp(buf, momentum) if nesterov else buf       # Nesterov look-ahead
-    O = newton_schulz(u)                                    # bf16
+    O = newton_schulz(u)                                    # in ns_dtype: bf16
     p.mul_(1 - lr * weight_decay)                           # decoupled weight decay
     p.add_(O, alpha=-adjust_lr(lr, adjust_lr_fn, p.shape))
+
+``variant="normuon"`` (NorMuon) replaces ``O`` by ``normuon_normalize(O, v, beta2, normuon_eps)``:
+each row divided by the root of an EMA ``v`` of its mean square, then the matrix rescaled to the
+Frobenius norm ``sqrt(min(A, B))`` of an orthogonal one; with ``adjust_lr_fn="match_rms_adamw"`` the
+step is the paper's ``0.2 * lr * sqrt(A B) / ||Ô||_F * Ô``. The owner computes it in fp32 and
+returns it in ``ns_dtype``.
 
 Distributed algorithm (FSDP2 / HSDP)
 ------------------------------------
@@ -37,26 +46,29 @@ group:
 
 1. momentum / Nesterov run elementwise on each rank's local rows (``torch._foreach_*``);
 2. same-shaped matrices are grouped, groups are packed into buckets ("megabatches"), and every
-   matrix gets an owner rank, round-robin with a rotating start so the work is balanced
-   (``muonrun.optim.sharding``);
-3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (bf16, padded to ``c``
-   rows) to j's owner;
+   matrix gets an owner rank so that the ranks' Newton–Schulz FLOPs are balanced
+   (``muonrun.optim.sharding.assign_owners``);
+3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (in ``ns_dtype``, padded
+   to ``c`` rows; NorMuon: with the rows' fp32 ``v`` appended bit for bit) to j's owner;
 4. the owner reassembles its matrices, strips the padding and runs Newton–Schulz batched
-   (``torch.baddbmm``) over all the matrices of one shape it owns;
-5. a second ``all_to_all_single`` returns each rank its rows of the result, which it applies
-   (weight decay + scaled update) to its local shard.
+   (``torch.baddbmm``) over all the matrices of one shape it owns (NorMuon: then normalises them,
+   which needs the whole matrix, and updates ``v``);
+5. a second ``all_to_all_single`` returns each rank its rows of the result (and of ``v``), which it
+   applies (weight decay + scaled update) to its local shard.
 
 The collectives are asynchronous and pipelined: while bucket ``b`` is being orthogonalised, the
-exchange for bucket ``b + 1`` is in flight. Traffic is about two bf16 copies of a rank's shard. On
-an HSDP mesh ``(dp_replicate, dp_shard)`` the exchange runs over the ``Shard(0)`` mesh dimension
-(gradients are already averaged over the replicate one). Any other placement (e.g. a
+exchange for bucket ``b + 1`` is in flight. Traffic is about two ``ns_dtype`` copies of a rank's
+shard. On an HSDP mesh ``(dp_replicate, dp_shard)`` the exchange runs over the ``Shard(0)`` mesh
+dimension (gradients are already averaged over the replicate one). Any other placement (e.g. a
 tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
 
 Optimizer state is one ``momentum_buffer`` per matrix with the parameter's type and placement
-(AdamW keeps two), present on every rank, so ``torch.distributed.checkpoint`` works unchanged.
+(AdamW keeps two), and for NorMuon a ``second_moment`` (fp32, one entry per row, a 1-D DTensor with
+the parameter's mesh and placements, so each rank holds its rows' entries), present on every rank,
+so ``torch.distributed.checkpoint`` saves and reshards them unchanged.
 
 Step times against AdamW are in docs/performance.md; ``torchrun --nproc-per-node N
-tests/dist/muon_bench.py`` measures them on GPUs.
+tests/dist/muon_bench.py`` measures them on GPUs, ``scripts/bench_muon_cpu.py`` on CPUs.
 """
 
 from __future__ import annotations
@@ -77,27 +89,49 @@ from muonrun.optim.newton_schulz import (
     Coefficients,
     NSCoefficients,
     adjust_lr,
+    newton_schulz_flops,
+    normuon_normalize,
     ns_iterations,
+    orthogonality_residual,
     resolve_ns_coefficients,
     uses_gram_form,
 )
-from muonrun.optim.sharding import Bucket, Entry, Partition, build_plan, shard_info
+from muonrun.optim.sharding import (
+    DEFAULT_BUCKET_NUMEL,
+    Bucket,
+    Entry,
+    Partition,
+    build_plan,
+    rows_like,
+    scatter_rows,
+    shard_info,
+)
+from muonrun.optim.telemetry import Sums, sum_of_squares
 
 __all__ = ["Muon"]
 
 
+VARIANTS = ("muon", "normuon")
+NS_DTYPES = (torch.bfloat16, torch.float32)
+
+
 @dataclass(frozen=True)
 class NSSettings:
-    """How one param group's matrices are orthogonalised; matrices that share it batch together."""
+    """How one param group's matrices are orthogonalised (and, for NorMuon, normalised on the owner);
+    matrices that share it batch together."""
 
     per_step: tuple[Coefficients, ...]
     norm_scale: float
     eps: float
+    normuon: tuple[float, float] | None  # NorMuon's (beta2, eps); None: plain Muon
 
     @classmethod
     def of(cls, group: dict) -> NSSettings:
         per_step, norm_scale = resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
-        return cls(per_step, norm_scale, float(group["eps"]))
+        normuon = (float(group["beta2"]), float(group["normuon_eps"]))
+        return cls(
+            per_step, norm_scale, float(group["eps"]), normuon if group["variant"] == "normuon" else None
+        )
 
 
 @dataclass(frozen=True)
@@ -133,26 +167,40 @@ class Muon(torch.optim.Optimizer):
 
     - ``ns_coefficients`` may also be a sequence of per-iteration triples or ``"polar_express"``;
     - ``adjust_lr_fn`` also accepts ``"spectral"`` (``lr * sqrt(A/B)``);
-    - ``bucket_numel``: elements (full matrices) per communication/Newton–Schulz bucket: bigger
-      buckets mean fewer, larger collectives and batched matmuls (small ones cost host time),
-      smaller ones earlier overlap and less transient memory (about 4 bytes per element of a
-      bucket on its owner);
+    - ``bucket_numel``: elements (full matrices) per communication/Newton–Schulz bucket: bigger ones
+      mean fewer, larger collectives and batched matmuls (small ones cost host time), smaller ones
+      earlier overlap and less transient memory (about 4 bytes per element of a bucket on its owner);
     - ``gram`` (default False): Newton–Schulz on the Gram matrix for matrices at least
       ``GRAM_MIN_ASPECT`` times wider than tall (``gram_iterations``: the same in exact arithmetic,
       about 40% fewer FLOPs for MLP-shaped matrices, different bf16 rounding), the standard form
-      for the others.
+      for the others;
+    - ``variant`` (per param group): ``"muon"``, or ``"normuon"`` (NorMuon, see the module
+      docstring) with ``beta2``, the EMA coefficient of each row's second moment, and
+      ``normuon_eps``, added to its root;
+    - ``ns_dtype``: ``torch.bfloat16`` (torch's) or ``torch.float32``, for Newton–Schulz and the
+      exchange (``newton_schulz.ns_dtype_for`` says which is faster where; docs/performance.md).
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
     which in the Gram form ``"gram"``) and all-to-all collectives issued (``"all_to_all"``),
     cumulatively over steps.
+
+    Telemetry: with ``collect_telemetry = True`` every ``step()`` fills ``self.telemetry`` with 0-d
+    fp32 tensors on the parameters' device, global over the shard group (one ``all_reduce`` of three
+    numbers per step, no host synchronisation; read them late): ``update_rms``, the RMS of what the
+    step changed (weight decay included) over all the matrices it stepped; ``momentum_norm``, the L2
+    norm of all the momentum buffers after the step; ``ortho_residual``, ``||O O^T - I||_F / sqrt(m)``
+    (``orthogonality_residual``) of the Newton–Schulz result of the first matrix its owner
+    orthogonalises in the step.
     """
 
     prefetch = 2
-    """Buckets whose forward all-to-all is in flight ahead of the one being orthogonalised. With two,
-    bucket b+1's exchange is queued before bucket b's Newton–Schulz and runs under it; one would
-    queue it after, with no overlap; more only keep more buckets' buffers alive. Tests set it on an
-    instance to exercise other pipeline depths."""
+    """Buckets whose forward all-to-all is in flight ahead of the one being orthogonalised: with two,
+    bucket b+1's exchange runs under bucket b's Newton–Schulz; one gives no overlap; more only keep
+    more buffers alive. Tests set it on an instance to exercise other pipeline depths."""
+
+    collect_telemetry: bool = False
+    """Fill ``self.telemetry`` during ``step()`` (see the class docstring); set by the trainer."""
 
     def __init__(
         self,
@@ -166,8 +214,12 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
         *,
-        bucket_numel: int = 1 << 28,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         gram: bool = False,
+        variant: str = "muon",
+        beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -179,6 +231,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
         if bucket_numel < 1:
             raise ValueError("bucket_numel must be >= 1")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -188,17 +242,21 @@ class Muon(torch.optim.Optimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
+            "variant": variant,
+            "beta2": beta2,
+            "normuon_eps": normuon_eps,
         }
         super().__init__(params, defaults)
         self.bucket_numel = int(bucket_numel)
         self.gram = bool(gram)
+        self.ns_dtype = ns_dtype
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
+        self.telemetry: dict[str, Tensor] = {}
+        self._sums: Sums | None = None  # this step's telemetry terms, while collecting
         self._plan: list[Partition] | None = None
         self._plan_key: tuple | None = None
         for gi, group in enumerate(self.param_groups):
             self._check_group(gi, group)
-
-    # -- validation --------------------------------------------------------------------------------
 
     def _param_name(self, gi: int, i: int, p: Tensor) -> str:
         names = self.param_groups[gi].get("param_names") if gi < len(self.param_groups) else None
@@ -208,6 +266,10 @@ class Muon(torch.optim.Optimizer):
     def _check_group(self, gi: int, group: dict) -> None:
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+        if group["variant"] not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
+        if not 0.0 <= group["beta2"] < 1.0:
+            raise ValueError(f"beta2 should be in [0, 1) but is: {group['beta2']}")
         resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
         for i, p in enumerate(group["params"]):
             name = self._param_name(gi, i, p)
@@ -220,13 +282,17 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"Muon does not support complex parameters ({name})")
             shard_info(p, name)  # raises for layouts other than FSDP/HSDP
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # param groups saved before these settings existed
+            for key in ("variant", "beta2", "normuon_eps"):
+                group.setdefault(key, self.defaults[key])
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if hasattr(self, "stats"):  # not during __init__
             self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
             self._plan = None
-
-    # -- plan ----------------------------------------------------------------------------------------
 
     def _get_plan(self) -> list[Partition]:
         """The exchange plan for the matrices that have gradients, rebuilt only when that set or a
@@ -238,14 +304,23 @@ class Muon(torch.optim.Optimizer):
             for i, p in enumerate(group["params"])
             if p.grad is not None
         ]
-        key = (tuple((gi, id(p)) for gi, _, p in active), ns)
+        key = (tuple((gi, id(p)) for gi, _, p in active), ns, self.ns_dtype, self.gram)
         if self._plan is None or key != self._plan_key:
-            entries = [Entry(gi, self._param_name(gi, i, p), p, ns[gi]) for gi, i, p in active]
+            row_state = 4 // self.ns_dtype.itemsize  # one fp32 per row, in exchange elements
+            entries = [
+                Entry(
+                    gi,
+                    self._param_name(gi, i, p),
+                    p,
+                    ns[gi],
+                    cost=newton_schulz_flops(p.shape, len(ns[gi].per_step), self.gram),
+                    row_state=row_state if ns[gi].normuon else 0,
+                )
+                for gi, i, p in active
+            ]
             self._plan = build_plan(entries, self.bucket_numel)
             self._plan_key = key
         return self._plan
-
-    # -- step ----------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -256,21 +331,36 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         plan = self._get_plan()
         settings = [StepSettings.of(group) for group in self.param_groups]
+        if self.collect_telemetry and plan:
+            self._sums = Sums(("update", "momentum", "ortho_residual"), plan[0].device)
         for part in plan:
             self._step_partition(part, settings)
+        if self._sums is not None:
+            total, self._sums = self._sums.total(), None
+            numel = sum(it.rows * it.cols for part in plan for b in part.buckets for it in b.items)
+            self.telemetry = {
+                "update_rms": (total["update"] / numel).sqrt(),
+                "momentum_norm": total["momentum"].sqrt(),
+                "ortho_residual": total["ortho_residual"],
+            }
         return loss
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["momentum_buffer"] = buf
-        return buf
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+    def _second_moment(self, p: Tensor) -> Tensor:
+        """NorMuon's per-row EMA of the mean square of the Newton–Schulz result (fp32, rows of p)."""
+        state = self.state[p]
+        if "second_moment" not in state:
+            state["second_moment"] = rows_like(p)
+        return state["second_moment"]
 
     def _prepare(self, part: Partition, bucket: Bucket, settings: Sequence[StepSettings]) -> Tensor:
-        """Momentum on local rows; writes the bf16 slabs (padding rows zeroed) into the send buffer."""
-        send = torch.empty(bucket.send_numel, dtype=torch.bfloat16, device=part.device)
+        """Momentum on local rows; writes the slabs (padding zeroed, NorMuon's v appended) to send."""
+        send = torch.empty(bucket.send_numel, dtype=self.ns_dtype, device=part.device)
         for gi, items in bucket.by_group:
             momentum, nesterov = settings[gi].momentum, settings[gi].nesterov
             bufs, grads, dsts = [], [], []
@@ -286,24 +376,32 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_lerp_(bufs, grads, 1 - momentum)
             upd = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
             torch._foreach_copy_(dsts, upd)
+            if self._sums is not None:
+                self._sums.add(part.shard.group, "momentum", sum_of_squares(bufs))
+        if part.ns.normuon:  # type: ignore[attr-defined]
+            vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
+            torch._foreach_copy_([it.state_view(send) for it in bucket.items], vs)
         for lo, hi in bucket.padding:
             send[lo:hi].zero_()
         return send
 
     def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients]) -> Tensor:
-        """Newton–Schulz on a normalised stack of owned matrices: torch.optim.Muon's bf16 sequence,
-        or the Gram form where ``gram`` takes it. Tests override it to step with another evaluation."""
+        """Newton–Schulz on a normalised stack of owned matrices: torch.optim.Muon's sequence, or the
+        Gram form where ``gram`` takes it. Tests override it to step with another evaluation."""
         return ns_iterations(X, per_step, gram=self.gram)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
-        """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz,
-        write the results back into ``recv`` in the same (padded, per-destination) layout."""
+        """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz
+        (NorMuon: and its normalisation), write the results back into ``recv`` in the same (padded,
+        per-destination) layout."""
         W = part.shard.world
         ns: NSSettings = part.ns  # type: ignore[assignment]
         grid = recv.view(W, bucket.per_source)
+        sample = part.buckets[0].items[0] if self._sums is not None and part is self._plan[0] else None
         for own in bucket.owned:
             k, R, C, c = own.count, own.rows, own.cols, own.chunk
-            slabs = grid[:, own.offset : own.offset + k * c * C].view(W, k, c, C)
+            run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
+            slabs = run[..., : c * C].view(W, k, c, C)
             # padding rows are zero, so the norm over whole slabs is the matrix's Frobenius norm
             norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
             if ns.norm_scale != 1.0:
@@ -312,23 +410,39 @@ class Muon(torch.optim.Optimizer):
             if W == 1:
                 X = slabs[0].div_(norm.view(k, 1, 1))  # in place: the buffer is ours
             else:
-                full = torch.empty(k, W * c, C, dtype=torch.bfloat16, device=recv.device)
+                full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
                 torch.div(slabs.transpose(0, 1), norm.view(k, 1, 1, 1), out=full.view(k, W, c, C))
                 X = full[:, :R]
             out = self._newton_schulz(X, ns.per_step)
-            if W * c == R:
-                slabs.copy_(out.view(k, W, c, C).transpose(0, 1))
-            else:
-                nfull, rem = divmod(R, c)
-                if nfull:
-                    slabs[:nfull].copy_(out[:, : nfull * c].reshape(k, nfull, c, C).transpose(0, 1))
-                if rem:
-                    slabs[nfull, :, :rem].copy_(out[:, nfull * c :])
+            if own.first is sample:  # reported by its owner, summed with the others' zeros
+                self._sums.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
+            if ns.normuon:
+                states = run[..., own.state_at : own.state_at + c * own.first.row_state]
+                states = states.view(torch.float32)  # [W, k, c]: v of every row, fp32 bit for bit
+                v = states.transpose(0, 1).reshape(k, W * c)[:, :R]
+                out, v = normuon_normalize(out, v, *ns.normuon)
+                scatter_rows(states, v, c)
+            scatter_rows(slabs, out, c)
             self.stats["orthogonalized"] += k
             self.stats["gram"] += k * (self.gram and uses_gram_form(X.shape, len(ns.per_step)))
 
-    def _apply(self, bucket: Bucket, result: Tensor, settings: Sequence[StepSettings]) -> None:
-        """Weight decay and the scaled update on this rank's rows."""
+    def _apply(
+        self, part: Partition, bucket: Bucket, result: Tensor, settings: Sequence[StepSettings]
+    ) -> None:
+        """Weight decay and the scaled update on this rank's rows (NorMuon: and the new v)."""
+        views = {
+            id(it): result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
+            for it in bucket.items
+        }
+        if self._sums is not None:  # what the step changes, before it changes it
+            deltas = []
+            for gi, rows, cols, items in bucket.by_update:
+                s = settings[gi]
+                d = torch._foreach_mul([local_tensor(it.param) for it in items], -s.lr * s.weight_decay)
+                alpha = -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
+                torch._foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
+                deltas += d
+            self._sums.add(part.shard.group, "update", sum_of_squares(deltas))
         for gi, items in bucket.by_group:
             factor = 1 - settings[gi].lr * settings[gi].weight_decay
             if factor != 1.0:
@@ -336,11 +450,11 @@ class Muon(torch.optim.Optimizer):
         for gi, rows, cols, items in bucket.by_update:
             s = settings[gi]
             ps = [local_tensor(it.param) for it in items]
-            us = [
-                result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
-                for it in items
-            ]
+            us = [views[id(it)] for it in items]
             torch._foreach_add_(ps, us, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+        if part.ns.normuon:  # type: ignore[attr-defined]
+            vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
+            torch._foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
 
     def _step_partition(self, part: Partition, settings: Sequence[StepSettings]) -> None:
         """All buckets of one partition: exchange, orthogonalise and apply, pipelined."""
@@ -351,12 +465,12 @@ class Muon(torch.optim.Optimizer):
             for b in buckets:
                 buf = self._prepare(part, b, settings)
                 self._orthogonalize(part, b, buf)
-                self._apply(b, buf, settings)
+                self._apply(part, b, buf, settings)
             return
 
         def launch_forward(b: Bucket):
             send = self._prepare(part, b, settings)
-            recv = torch.empty(b.recv_numel, dtype=torch.bfloat16, device=part.device)
+            recv = torch.empty(b.recv_numel, dtype=self.ns_dtype, device=part.device)
             work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, group=pg, async_op=True)
             self.stats["all_to_all"] += 1
             return send, recv, work
@@ -380,7 +494,7 @@ class Muon(torch.optim.Optimizer):
             while len(returning) > 1:
                 rb, rsend, _, rwork = returning.pop(0)
                 rwork.wait()
-                self._apply(rb, rsend, settings)
+                self._apply(part, rb, rsend, settings)
         for rb, rsend, _, rwork in returning:
             rwork.wait()
-            self._apply(rb, rsend, settings)
+            self._apply(part, rb, rsend, settings)

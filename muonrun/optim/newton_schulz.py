@@ -1,8 +1,10 @@
 """Newton–Schulz orthogonalisation and Muon's learning-rate scaling: pure functions of tensors.
 
-``newton_schulz(G)`` approximates the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in bf16;
+``newton_schulz(G)`` approximates the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` (in bf16
+unless asked otherwise); ``normuon_normalize`` is NorMuon's per-row normalisation of that result;
 ``adjust_lr`` scales the learning rate by the matrix shape; ``newton_schulz_flops`` counts the
-matmul FLOPs of one call (the dry-run plan uses it). Imports only torch.
+matmul FLOPs of one call (the dry-run plan and Muon's owner balancing use it);
+``orthogonality_residual`` measures how orthogonal a result is. Imports only torch.
 
 References
 ----------
@@ -15,6 +17,8 @@ References
   Muon Algorithm", arXiv:2505.16932 -- per-iteration coefficients (``"polar_express"``).
 - K. Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv:2504.13074 -- the ``spectral``
   lr scaling ``sqrt(A/B)``.
+- Z. Li, L. Liu, C. Liang, W. Chen, T. Zhao, "NorMuon: Making Muon more efficient and scalable",
+  arXiv:2510.05491 -- the per-row second-moment normalisation (``normuon_normalize``).
 - J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
   Algorithm for Muon" (blog, 2026), https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on
   the Gram matrix ``X X^T``, stabilised by a restart (``gram=True``).
@@ -39,7 +43,10 @@ __all__ = [
     "gram_iterations",
     "newton_schulz",
     "newton_schulz_flops",
+    "normuon_normalize",
+    "ns_dtype_for",
     "ns_iterations",
+    "orthogonality_residual",
     "resolve_ns_coefficients",
     "standard_iterations",
     "uses_gram_form",
@@ -112,30 +119,47 @@ def newton_schulz(
     norm_scale: float | None = None,
     fold_identity: bool = False,
     gram: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in bf16.
+    """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in ``dtype`` (bf16).
 
     ``G`` is a matrix ``[rows, cols]`` or a stack ``[..., rows, cols]`` (every matrix normalised and
     iterated independently, in one batched matmul per product). Same arithmetic as torch.optim.Muon's
-    ``_zeropower_via_newtonschulz``: cast to bf16, ``X /= max(||X||_F, eps)``, then per iteration
+    ``_zeropower_via_newtonschulz``: cast to ``dtype``, ``X /= max(||X||_F, eps)``, then per iteration
     ``A = X X^T; B = b A + c A A; X = a X + B X`` on the wide orientation. A tall matrix (``rows >
     cols``) is not transposed in memory: the same iteration is written ``A = X^T X; X = a X + X B^T``,
     so every tensor stays contiguous and cuBLAS reads the transposes for free.
     ``fold_identity=True`` evaluates ``a X + B X`` as ``(B + a I) X`` (see ``standard_iterations``);
     ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``).
-    Returns a contiguous bf16 tensor of ``G``'s shape.
+    ``dtype=torch.float32`` runs the same sequence in fp32 (on CPUs without native bf16 matmuls it is
+    several times faster: docs/performance.md).
+    Returns a contiguous tensor of ``G``'s shape in ``dtype``.
     """
     per_step, default_scale = resolve_ns_coefficients(coefficients, steps)
     scale = default_scale if norm_scale is None else norm_scale
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
     rows, cols = G.shape[-2], G.shape[-1]
-    X = G.to(torch.bfloat16).reshape(-1, rows, cols)
+    X = G.to(dtype).reshape(-1, rows, cols)
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     if scale != 1.0:
         norm = norm * scale
     X = X / norm.clamp(min=eps)  # new tensor: never writes into G
     return ns_iterations(X, per_step, gram=gram, fold_identity=fold_identity).reshape(G.shape)
+
+
+def ns_dtype_for(name: str, device_type: str) -> torch.dtype:
+    """The dtype for Newton–Schulz named ``"bfloat16"``, ``"float32"`` or ``"auto"``: bf16 on GPUs
+    and on x86 CPUs with native bf16 dot products (AVX512-BF16, also on AMX CPUs), where it is two to
+    three times faster than fp32; fp32 on other CPUs, where bf16 matmuls are emulated and 2.5x
+    (AVX-512) to tens of times (AVX2) slower than fp32 (docs/performance.md;
+    ``ATEN_CPU_CAPABILITY=avx2`` makes this say fp32, scripts/bench_muon_cpu.py measures both)."""
+    if name != "auto":
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+    if device_type != "cpu":
+        return torch.bfloat16
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return torch.bfloat16 if native and torch.backends.cpu.get_cpu_capability() == "AVX512" else torch.float32
 
 
 def uses_gram_form(shape: Sequence[int], steps: int) -> bool:
@@ -155,7 +179,7 @@ def ns_iterations(
 
 
 def standard_iterations(X: Tensor, per_step: Sequence[Coefficients], fold_identity: bool = False) -> Tensor:
-    """Newton–Schulz iterations on a normalised bf16 stack ``[k, rows, cols]`` (returns a new tensor).
+    """Newton–Schulz iterations on a normalised stack (bf16 or fp32) ``[k, rows, cols]`` (returns a new tensor).
 
     ``fold_identity=False`` computes ``a X + B X`` with ``baddbmm(X, B, X, beta=a)`` like
     torch.optim.Muon; being out of place, that first copies the full-size ``X`` into its output,
@@ -210,6 +234,38 @@ def gram_iterations(
         if i < last and i + 1 != restart:  # the next iteration needs R; a restart rebuilds it
             R = torch.bmm(torch.bmm(P, R), P)
     return apply(Q, X).contiguous()
+
+
+def normuon_normalize(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+    """NorMuon's step on Newton–Schulz results ``X`` ``[k, m, n]`` (the paper's O) and per-row second
+    moments ``v`` ``[k, m]`` (fp32): returns the update and the new ``v``, both fp32 and new tensors::
+
+        v_i = beta2 * v_i + (1 - beta2) * mean_j X_ij^2     # per row (output neuron)
+        Y   = X / (sqrt(v) + eps)                           # row-wise (the paper's Ô)
+        U   = Y * sqrt(min(m, n)) / ||Y||_F                 # an orthogonal m x n matrix's norm
+
+    ``U`` has the Frobenius norm of the orthogonal matrix Newton–Schulz approximates, so Muon's
+    ``adjust_lr`` scales it as it scales ``X``; with ``match_rms_adamw`` (``0.2 sqrt(max(m, n))``)
+    the step is the paper's ``0.2 * lr * sqrt(m n) / ||Y||_F * Y``.
+    """
+    X = X.float()
+    v = torch.lerp(v, X.square().mean(dim=-1), 1 - beta2)
+    hat = X / (v.sqrt() + eps).unsqueeze(-1)
+    m, n = X.shape[-2:]
+    norm = torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True).clamp_(min=1e-30)
+    return hat.mul_(math.sqrt(min(m, n)) / norm), v
+
+
+def orthogonality_residual(X: Tensor) -> Tensor:
+    """``||X X^T - I||_F / sqrt(m)`` of one ``m x n`` matrix on its wide orientation (``m <= n``), in
+    fp32: 0 for orthogonal rows. The default quintic leaves the singular values spread around 1 on
+    purpose: about 0.35 on Gaussian matrices after 5 iterations."""
+    X = X.float()
+    if X.shape[-2] > X.shape[-1]:
+        X = X.mT
+    gram = X @ X.mT
+    gram.diagonal().sub_(1.0)
+    return torch.linalg.vector_norm(gram) / math.sqrt(X.shape[-2])
 
 
 def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gram: bool = False) -> int:

@@ -6,12 +6,14 @@ which receives every rank's rows (padded to ``c``), runs Newton–Schulz on the 
 the rows back. The plan says, per bucket of matrices, who owns what and the offsets of each rank's
 rows in the send and receive buffers of the two ``all_to_all_single`` calls. It is built once per
 set of parameters with gradients, from shapes alone, so it is the same on every rank of a shard
-group (``verify_plan`` checks that). Only ``muonrun.optim.muon`` uses this module.
+group (``verify_plan`` checks that). Owners are chosen to balance Newton–Schulz FLOPs per rank
+(``assign_owners``); ``owner_flops`` compares that with dealing each shape's matrices round-robin
+(the dry-run plan prints both). Only ``muonrun.optim.muon`` steps with this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonrun.distributed import local_tensor
+from muonrun.optim.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
 
 try:  # torch built without distributed support
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -36,6 +39,7 @@ class ShardInfo:
 
 
 LOCAL = ShardInfo(None, 1, 0)
+DEFAULT_BUCKET_NUMEL = 1 << 28
 
 
 def shard_info(p: Tensor, name: str) -> ShardInfo:
@@ -69,6 +73,18 @@ def shard_info(p: Tensor, name: str) -> ShardInfo:
     return ShardInfo(mesh.get_group(md), world, mesh.get_local_rank(md))
 
 
+def rows_like(p: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Zeros with one entry per row of ``p``, laid out like its rows: a 1-D DTensor with ``p``'s mesh
+    and placements (each rank holds its own rows' entries) or a plain tensor. DCP saves and reshards
+    it like the parameter."""
+    local = torch.zeros(local_tensor(p).shape[0], dtype=dtype, device=local_tensor(p).device)
+    if DTensor is None or not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, shape=(p.shape[0],), stride=(1,), run_check=False
+    )
+
+
 def chunk_rows(rows: int, world: int) -> int:
     return -(-rows // world)
 
@@ -82,14 +98,33 @@ def local_rows(rows: int, world: int, rank: int) -> int:
 class Item:
     """One matrix in the plan."""
 
-    param: Tensor
+    param: Tensor | None  # None in ``owner_flops``, which plans shapes alone
     group_index: int
     rows: int
     cols: int
     chunk: int  # rows per rank slab (ceil(rows / world)); == rows when local
     local_rows: int
+    cost: int = 0  # Newton–Schulz FLOPs, for owner balancing
+    row_state: int = 0  # buffer elements per row carrying fp32 per-row state (NorMuon's v), 0: none
     owner: int = 0
     offset: int = 0  # element offset of this rank's slab in the bucket's send/receive buffer
+
+    @property
+    def state_at(self) -> int:
+        """Offset of the per-row state inside a slab: after the ``chunk x cols`` rows, aligned so
+        that it can be viewed as fp32 (``row_state`` elements per fp32 value)."""
+        x = max(self.row_state, 1)
+        return -(-self.chunk * self.cols // x) * x
+
+    def state_view(self, buf: Tensor) -> Tensor:
+        """This rank's rows' fp32 per-row state inside an exchange buffer laid out by the plan."""
+        start = self.offset + self.state_at
+        return buf[start : start + self.local_rows * self.row_state].view(torch.float32)
+
+    @property
+    def slab(self) -> int:
+        """Elements of one rank's slab: its rows (padded to ``chunk``) and their per-row state."""
+        return self.state_at + self.chunk * self.row_state if self.row_state else self.chunk * self.cols
 
 
 @dataclass
@@ -101,6 +136,9 @@ class Owned:
     chunk: int
     count: int
     offset: int  # element offset inside each source's segment of the owner buffer
+    slab: int  # elements per matrix and source (Item.slab)
+    state_at: int  # Item.state_at
+    first: Item  # the first of these matrices (the one telemetry samples)
 
 
 @dataclass
@@ -137,15 +175,18 @@ class Entry:
     name: str  # for error messages
     param: Tensor
     ns: Hashable
+    cost: int = 0  # Newton–Schulz FLOPs (newton_schulz_flops)
+    row_state: int = 0  # Item.row_state
 
 
-def build_plan(entries: Sequence[Entry], bucket_numel: int) -> list[Partition]:
+def build_plan(entries: Sequence[Entry], bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> list[Partition]:
     """The plan for these matrices: partitions, their buckets and every offset. Every rank of a
     shard group must call it with the same matrices: ``verify_plan`` all-reduces once to check."""
     plan = []
     for part, by_shape in _collect(entries):
-        pieces = _assign_owners(by_shape, part.shard.world, bucket_numel)
-        part.buckets = [_lay_out(items, part.shard) for items in _pack(pieces, bucket_numel)]
+        buckets = _pack(_pieces(by_shape, bucket_numel), bucket_numel)
+        assign_owners(buckets, part.shard.world)
+        part.buckets = [_lay_out(items, part.shard) for items in buckets]
         plan.append(part)
     verify_plan(plan)
     return plan
@@ -164,6 +205,7 @@ def _collect(entries: Sequence[Entry]) -> list[tuple[Partition, dict[tuple[int, 
         if key not in partitions:
             partitions[key] = (Partition(info, e.ns, local_tensor(e.param).device), {})
         item = _item(e, info)
+        item.cost, item.row_state = e.cost, e.row_state
         partitions[key][1].setdefault((item.rows, item.cols), []).append(item)
     return list(partitions.values())
 
@@ -184,27 +226,64 @@ def _item(e: Entry, info: ShardInfo) -> Item:
     return Item(e.param, e.group_index, rows, cols, chunk_rows(rows, info.world), n_local)
 
 
-def _assign_owners(
-    by_shape: dict[tuple[int, int], list[Item]], world: int, bucket_numel: int
-) -> list[list[Item]]:
-    """Split each shape's matrices into pieces of a multiple of ``world`` matrices that fit a bucket,
-    and give each piece's matrices consecutive owners.
-
-    Every rank then owns equally many matrices of each full piece. The first owner rotates from
-    piece to piece, so the remainders of partial pieces spread over the ranks instead of all
-    landing on rank 0.
-    """
+def _pieces(by_shape: dict[tuple[int, int], list[Item]], bucket_numel: int) -> list[list[Item]]:
+    """Each shape's matrices, in runs that fit a bucket (at least one matrix each)."""
     pieces = []
-    start = 0
     for (rows, cols), items in by_shape.items():
-        per_piece = max(world, (bucket_numel // max(rows * cols, 1)) // world * world)
-        for s in range(0, len(items), per_piece):
-            piece = items[s : s + per_piece]
-            for j, item in enumerate(piece):
-                item.owner = (start + j) % world
-            start = (start + len(piece)) % world
-            pieces.append(piece)
+        per_piece = max(1, bucket_numel // max(rows * cols, 1))
+        pieces.extend(items[s : s + per_piece] for s in range(0, len(items), per_piece))
     return pieces
+
+
+def assign_owners(buckets: Sequence[Sequence[Item]], world: int) -> None:
+    """Give every matrix an owner so that Newton–Schulz FLOPs (``Item.cost``) are balanced per rank.
+
+    Deterministic greedy (longest processing time first): the largest matrix first, onto the rank
+    with the least work so far, then the least in the matrix's bucket, then the lowest rank. Equal
+    matrices are thus dealt in turn within each bucket, and the smaller shapes fill in where a
+    shape's count does not divide by the world size, which dealing each shape round-robin cannot
+    (``owner_flops`` compares the two). The pipelined exchange lets a rank run ahead into the next
+    bucket, so the whole step's balance is what counts first. Depends on shapes alone, so every rank
+    computes the same owners.
+    """
+    total = [0] * world
+    loads = [[0] * world for _ in buckets]
+    order = sorted(
+        ((it, load) for items, load in zip(buckets, loads, strict=True) for it in items),
+        key=lambda pair: -pair[0].cost,  # stable: parameter order among equals
+    )
+    for it, load in order:
+        r = min(range(world), key=lambda r: (total[r], load[r], r))
+        it.owner = r
+        total[r] += it.cost
+        load[r] += it.cost
+
+
+def owner_flops(
+    shapes: Iterable[Sequence[int]],
+    world: int,
+    steps: int = DEFAULT_NS_STEPS,
+    gram: bool = False,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> dict[str, list[int]]:
+    """Newton–Schulz FLOPs per rank of one optimizer step for matrices of these shapes on a shard
+    group of ``world`` ranks: ``"balanced"``, as Muon assigns owners (``assign_owners``), and
+    ``"round_robin"``, each shape's matrices dealt to the ranks in turn (the matrices grouped by
+    shape in order of appearance, the next shape starting where the last one stopped)."""
+    by_shape: dict[tuple[int, int], list[Item]] = {}
+    for shape in shapes:
+        rows, cols = int(shape[0]), int(shape[1])
+        cost = newton_schulz_flops((rows, cols), steps, gram)
+        by_shape.setdefault((rows, cols), []).append(Item(None, 0, rows, cols, rows, rows, cost))
+    round_robin = [0] * world
+    for i, it in enumerate(it for items in by_shape.values() for it in items):
+        round_robin[i % world] += it.cost
+    assign_owners(_pack(_pieces(by_shape, bucket_numel), bucket_numel), world)
+    balanced = [0] * world
+    for items in by_shape.values():
+        for it in items:
+            balanced[it.owner] += it.cost
+    return {"round_robin": round_robin, "balanced": balanced}
 
 
 def _pack(pieces: list[list[Item]], bucket_numel: int) -> list[list[Item]]:
@@ -234,7 +313,9 @@ def _lay_out(items: list[Item], shard: ShardInfo) -> Bucket:
     Items are sorted by owner, then shape (stable, so parameter order holds inside): each
     destination's rows are then one contiguous send split, and on the owner the same-shaped
     matrices from one source are adjacent, so one batched Newton–Schulz reads them in place. Every
-    source sends an owner the same layout, so all receive splits are equal.
+    source sends an owner the same layout, so all receive splits are equal. A slab that carries
+    per-row state (``Item.row_state``) is a multiple of ``row_state`` elements, so every state
+    region starts aligned for its fp32 view.
     """
     world, me = shard.world, shard.rank
     shape_rank = {s: k for k, s in enumerate(dict.fromkeys((it.rows, it.cols) for it in items))}
@@ -243,8 +324,8 @@ def _lay_out(items: list[Item], shard: ShardInfo) -> Bucket:
     offset = 0
     for it in items:
         it.offset = offset
-        send_splits[it.owner] += it.chunk * it.cols
-        offset += it.chunk * it.cols
+        send_splits[it.owner] += it.slab
+        offset += it.slab
     per_source = send_splits[me]
     bucket = Bucket(
         items=items,
@@ -278,9 +359,24 @@ def _owned(items: list[Item], me: int) -> list[Owned]:
         if owned and (owned[-1].rows, owned[-1].cols) == (it.rows, it.cols):
             owned[-1].count += 1
         else:
-            owned.append(Owned(it.rows, it.cols, it.chunk, 1, offset))
-        offset += it.chunk * it.cols
+            owned.append(Owned(it.rows, it.cols, it.chunk, 1, offset, it.slab, it.state_at, it))
+        offset += it.slab
     return owned
+
+
+def scatter_rows(dst: Tensor, src: Tensor, c: int) -> None:
+    """Write matrices ``src`` ``[k, R, ...]`` into the slabs ``dst`` ``[W, k, c, ...]`` of their rows
+    (slab w holds rows ``[w c, (w + 1) c)``; its padding rows past ``R`` are left as they are)."""
+    W, k, R = dst.shape[0], src.shape[0], src.shape[1]
+    rest = src.shape[2:]
+    if W * c == R:
+        dst.copy_(src.reshape(k, W, c, *rest).transpose(0, 1))
+        return
+    nfull, rem = divmod(R, c)
+    if nfull:
+        dst[:nfull].copy_(src[:, : nfull * c].reshape(k, nfull, c, *rest).transpose(0, 1))
+    if rem:
+        dst[nfull, :, :rem].copy_(src[:, nfull * c :])
 
 
 def verify_plan(plan: list[Partition]) -> None:
@@ -296,7 +392,8 @@ def verify_plan(plan: list[Partition]) -> None:
         sig = [len(part.buckets)]
         for b in part.buckets:
             sig.append(len(b.items))
-            sig.append(sum(it.rows * 1_000_003 + it.cols for it in b.items) % (1 << 30))
+            sig.append(sum((it.rows * 1_000_003 + it.cols) * (it.owner + 1) for it in b.items) % (1 << 30))
+            sig.append(b.send_numel)
         h = 0
         for x in sig:
             h = (h * 1_000_000_007 + x) % (1 << 61)

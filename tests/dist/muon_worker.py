@@ -5,8 +5,11 @@ usage: muon_worker.py CHECKPOINT_DIR
 
 Every rank builds the same full matrices and gradients from fixed seeds, shards a copy with FSDP2's
 ``fully_shard`` and keeps an unsharded reference stepped with torch.optim.Muon (or, for
-``adjust_lr_fn="spectral"`` which torch lacks, our Muon on plain tensors, itself checked against a
-hand formula in test_muon.py). Comparisons are made on each rank's own rows, without communication.
+``adjust_lr_fn="spectral"`` which torch lacks, for fp32 Newton–Schulz and for the folded and Gram
+evaluations, our Muon on plain tensors, itself checked against torch, exact arithmetic or a hand
+formula in test_muon.py; for NorMuon, ``NorMuonReference``, written from the paper). Comparisons are
+made on each rank's own rows, without communication, and include the optimizer telemetry and the
+owners' Newton–Schulz FLOPs (``owner_flops``).
 
 Launched on 4 ranks, one launch covers shard groups of 1, 2, 3 and 4 ranks on sub-meshes (3 ranks
 next to 1 rank, then two pairs, then all four), then HSDP on a 2 x 2 mesh. On any other number of
@@ -16,6 +19,7 @@ ranks it checks that one world size. Global rank 0 prints ``MUON_WORKER_OK`` at 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import time
@@ -30,8 +34,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from muonrun.clip import clip_grad_norm
-from muonrun.optim import AdamW, Muon
-from muonrun.optim.newton_schulz import ns_iterations
+from muonrun.optim import DEFAULT_NS_COEFFICIENTS, AdamW, Muon, adjust_lr, newton_schulz
+from muonrun.optim.newton_schulz import ns_iterations, orthogonality_residual
+from muonrun.optim.sharding import owner_flops
 
 # (out_features, in_features): parameter shape is (out, in). Includes repeated shapes (several
 # owners per chunk, partial last chunk), rows not divisible by 3 or 4, fewer rows than ranks
@@ -42,6 +47,7 @@ LR = 0.05
 # rounding can differ by one ulp (2^-8) between memory layouts, which moves that matrix's update by
 # ~0.4%. A misplaced row or a wrong scale moves it by 100%.
 RTOL = 0.02
+RTOL_FP32 = 1e-4  # fp32 Newton–Schulz: the same sums in other orders, amplified over 10 steps
 
 T0 = time.perf_counter()
 
@@ -54,6 +60,43 @@ class FoldedMuon(Muon):
 
     def _newton_schulz(self, X, per_step):
         return ns_iterations(X, per_step, gram=self.gram, fold_identity=True)
+
+
+def reference_ns(fast: bool, gram: bool, dtype: torch.dtype):
+    """The Newton–Schulz a reference uses: torch.optim.Muon's own, or (folded, Gram, fp32) ours."""
+    if not fast and not gram and dtype == torch.bfloat16:
+        return lambda u: torch.optim._muon._zeropower_via_newtonschulz(u, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+    return lambda u: newton_schulz(u, fold_identity=fast, gram=gram, dtype=dtype)
+
+
+class NorMuonReference:
+    """NorMuon on full matrices, one at a time, written from the paper (arXiv:2510.05491, Algorithm 1):
+    M = b1 M + (1 - b1) G (Nesterov: orthogonalise G + b1 (M - G)); O = NS(M); per row
+    v = b2 v + (1 - b2) mean_j O_ij^2; Ô = O / (sqrt(v) + eps); decoupled weight decay; step
+    0.2 lr sqrt(m n) / ||Ô||_F for match_rms_adamw (the paper's), else Muon's lr scaling of a matrix
+    with an orthogonal one's norm sqrt(min(m, n))."""
+
+    def __init__(self, params, ns, lr, weight_decay, nesterov, adjust_lr_fn, momentum=0.95, beta2=0.95):
+        self.params, self.ns, self.lr, self.wd, self.nesterov = params, ns, lr, weight_decay, nesterov
+        self.fn, self.b1, self.b2, self.eps = adjust_lr_fn, momentum, beta2, 1e-8
+        self.state = {
+            p: {"momentum_buffer": torch.zeros_like(p), "second_moment": p.new_zeros(len(p))} for p in params
+        }
+
+    def step(self) -> None:
+        for p in self.params:
+            M, v = self.state[p]["momentum_buffer"], self.state[p]["second_moment"]
+            M.mul_(self.b1).add_(p.grad, alpha=1 - self.b1)
+            ortho = self.ns(p.grad + self.b1 * (M - p.grad) if self.nesterov else M).float()
+            v.mul_(self.b2).add_(ortho.square().mean(dim=1), alpha=1 - self.b2)
+            ortho_hat = ortho / (v.sqrt() + self.eps)[:, None]
+            m, n = p.shape
+            if self.fn == "match_rms_adamw":
+                step = 0.2 * self.lr * math.sqrt(m * n) / ortho_hat.norm()
+            else:
+                step = adjust_lr(self.lr, self.fn, p.shape) * math.sqrt(min(m, n)) / ortho_hat.norm()
+            p.mul_(1 - self.lr * self.wd)
+            p.sub_(step * ortho_hat)
 
 
 def log(mesh, msg: str) -> None:
@@ -112,19 +155,23 @@ def distribute_local(full: torch.Tensor, like: DTensor) -> DTensor:
     )
 
 
-def reference_optimizer(params, fast: bool, gram: bool = False, **kw):
-    """Unsharded reference: torch.optim.Muon, or our Muon on plain tensors for the folded (fast) or
-    Gram Newton–Schulz and for "spectral" (checked against torch / exact arithmetic / a hand formula
-    in test_muon.py)."""
-    if fast or gram:
-        return (FoldedMuon if fast else Muon)(params, **kw, gram=gram)
+def reference_optimizer(
+    params, fast: bool, gram: bool = False, variant="muon", ns_dtype=torch.bfloat16, **kw
+):
+    """Unsharded reference: NorMuonReference; torch.optim.Muon; or our Muon on plain tensors for the
+    folded (fast), Gram or fp32 Newton–Schulz and for "spectral" (checked against torch / exact
+    arithmetic / a hand formula in test_muon.py)."""
+    if variant == "normuon":
+        return NorMuonReference(params, reference_ns(fast, gram, ns_dtype), **kw)
+    if fast or gram or ns_dtype != torch.bfloat16:
+        return (FoldedMuon if fast else Muon)(params, **kw, gram=gram, ns_dtype=ns_dtype)
     if kw.get("adjust_lr_fn") == "spectral":
         return Muon(params, **kw)
     return torch.optim.Muon(params, **kw)
 
 
-def assert_close_to_reference(sharded, ref, init, what: str) -> float:
-    """Per matrix, on this rank's rows (no communication): |ours - reference| <= RTOL * (how far the
+def assert_close_to_reference(sharded, ref, init, what: str, rtol: float = RTOL) -> float:
+    """Per matrix, on this rank's rows (no communication): |ours - reference| <= rtol * (how far the
     reference matrix moved from init). Returns the largest |diff| seen."""
     worst = 0.0
     for i, (p, q, q0) in enumerate(zip(sharded, ref, init, strict=True)):
@@ -132,7 +179,7 @@ def assert_close_to_reference(sharded, ref, init, what: str) -> float:
         theirs = local_part(q, p) if isinstance(p, DTensor) else q
         diff = (mine - theirs).abs().max().item() if mine.numel() else 0.0
         moved = (q - q0).abs().max().item()
-        assert moved > 0 and diff <= RTOL * moved + 1e-7, (
+        assert moved > 0 and diff <= rtol * moved + 1e-7, (
             f"{what}: rank {dist.get_rank()} matrix {i} {tuple(q.shape)}: max |diff| {diff:.3e} vs moved {moved:.3e}"
         )
         worst = max(worst, diff)
@@ -145,9 +192,12 @@ ALL_COMBOS = list(
 
 
 def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
-    """adjust_lr_fn x nesterov x weight decay combinations, 1 and 10 steps, vs the reference."""
+    """adjust_lr_fn x nesterov x weight decay combinations, 1 and 10 steps, vs the reference; a third
+    of them NorMuon (bf16 and fp32 exchange), a third Muon with fp32 Newton–Schulz (the CPU path), a
+    third torch's bf16 Muon. Telemetry on throughout, checked against the reference's last step."""
     shard_dim = len(mesh.shape) - 1
     shard_group = mesh.get_group(shard_dim)
+    W = mesh.size(shard_dim)
     for ci, (fn, nesterov, wd) in enumerate(combos):
         model = make_model()
         ref_params = [p.detach().clone() for p in model.parameters()]
@@ -157,22 +207,32 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         kw = dict(lr=LR, weight_decay=wd, nesterov=nesterov, adjust_lr_fn=fn)
         fast = nesterov != (wd > 0)  # half the combos with the folded Newton–Schulz (FoldedMuon)
         gram = fn in ("original", "spectral")  # half with the Gram form for the wide and tall matrices
+        variant = "normuon" if ci % 3 == 1 else "muon"
+        ns_dtype = torch.float32 if ci % 3 == 2 or (variant == "normuon" and ci % 2 == 0) else torch.bfloat16
+        rtol = RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32
         # mostly one big bucket, sometimes many tiny ones (exercises the async prefetch pipeline at
         # depths 1 to 3)
         bucket = 200 if ci % 4 == 1 else 1 << 26
-        opt = (FoldedMuon if fast else Muon)(params, **kw, bucket_numel=bucket, gram=gram)
+        opt = (FoldedMuon if fast else Muon)(
+            params, **kw, bucket_numel=bucket, gram=gram, variant=variant, ns_dtype=ns_dtype
+        )
         opt.prefetch = 1 + ci % 3
-        ref = reference_optimizer(ref_params, fast, gram, **kw)
+        opt.collect_telemetry = True
+        ref = reference_optimizer(ref_params, fast, gram, variant, ns_dtype, **kw)
+        what = f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram} {variant} {ns_dtype}"
         for step in range(10):
             grads = full_grads(step, ci)
             set_sharded_grads(params, grads)
             for q, g in zip(ref_params, grads, strict=True):
                 q.grad = g.clone()
+            before = [q.clone() for q in ref_params]
             opt.step()
             ref.step()
             if step in (0, 9):
-                what = f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram} step={step + 1}"
-                diff = assert_close_to_reference(params, ref_params, init, what)
+                diff = assert_close_to_reference(params, ref_params, init, f"{what} step={step + 1}", rtol)
+        check_telemetry(
+            opt, params, ref, ref_params, before, reference_ns(fast, gram, ns_dtype), nesterov, what
+        )
         # every matrix orthogonalised exactly once per step in the shard group
         stats = [opt.stats["orthogonalized"], opt.stats["all_to_all"], opt.stats["gram"]]
         t = torch.tensor(stats, dtype=torch.int64)
@@ -180,18 +240,52 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         assert int(t[0]) == 10 * len(SHAPES), (tag, fn, int(t[0]))
         wide_or_tall = sum(max(s) >= 1.5 * min(s) for s in SHAPES)  # (6, 16) x 3, (20, 4), (3, 5), (1, 9)
         assert int(t[2]) == (10 * wide_or_tall if gram else 0), (tag, fn, int(t[2]))
-        # state: one momentum buffer per matrix, a DTensor with the parameter's placements
-        for p in params:
+        # owners balanced by Newton–Schulz FLOPs, as the dry-run plan computes them
+        per_rank = [0] * W
+        for it in (it for part in opt._plan for b in part.buckets for it in b.items):
+            per_rank[it.owner] += it.cost
+        assert per_rank == owner_flops(SHAPES, W, 5, gram, bucket)["balanced"], (what, per_rank)
+        # state: one momentum buffer per matrix, a DTensor with the parameter's placements; NorMuon's
+        # per-row second moment laid out like the rows, equal to the reference's on this rank's rows
+        for p, q in zip(params, ref_params, strict=True):
             buf = opt.state[p]["momentum_buffer"]
             assert isinstance(buf, DTensor) and buf.placements == p.placements and buf.shape == p.shape
-        log(
-            mesh,
-            f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram}: max |diff| after 10 steps {diff:.2e}",
-        )
-        if mesh.size(shard_dim) > 1:  # two all-to-alls per bucket per step, several buckets when tiny
-            one_bucket = 2 * 10 * mesh.size(shard_dim)
+            if variant == "normuon":
+                v, v_ref = opt.state[p]["second_moment"], ref.state[q]["second_moment"]
+                assert isinstance(v, DTensor) and v.placements == p.placements and v.shape == (len(q),)
+                mine = v.to_local()
+                theirs = local_part(v_ref[:, None], p)[:, 0]
+                assert (mine - theirs).abs().max() <= 4 * rtol * theirs.abs().max() if len(mine) else True, (
+                    what
+                )
+        log(mesh, f"{what}: max |diff| after 10 steps {diff:.2e}")
+        if W > 1:  # two all-to-alls per bucket per step, several buckets when tiny
+            one_bucket = 2 * 10 * W
             assert int(t[1]) > one_bucket if ci % 4 == 1 else int(t[1]) == one_bucket, int(t[1])
     log(mesh, f"{tag}: {len(combos)} combinations OK")
+
+
+def check_telemetry(opt, params, ref, ref_params, before, ns, nesterov: bool, what: str) -> None:
+    """Muon's telemetry of its last step, the same on every rank, against the unsharded reference:
+    the update's RMS, the momentum norm and the sampled matrix's orthogonality residual."""
+    tel = opt.telemetry
+    assert set(tel) == {"update_rms", "momentum_norm", "ortho_residual"}, tel.keys()
+    assert all(isinstance(x, torch.Tensor) and x.ndim == 0 for x in tel.values()), tel
+    numel = sum(q.numel() for q in ref_params)
+    update_rms = math.sqrt(
+        sum((q - b).square().sum().item() for q, b in zip(ref_params, before, strict=True)) / numel
+    )
+    bufs = [ref.state[q]["momentum_buffer"] for q in ref_params]
+    momentum_norm = math.sqrt(sum(b.square().sum().item() for b in bufs))
+    i = next(i for i, p in enumerate(params) if p is opt._plan[0].buckets[0].items[0].param)
+    g = ref_params[i].grad
+    residual = orthogonality_residual(ns(g.lerp(bufs[i], 0.95) if nesterov else bufs[i])).item()
+    for key, expected, rtol in (
+        ("update_rms", update_rms, RTOL),
+        ("momentum_norm", momentum_norm, 1e-5),
+        ("ortho_residual", residual, RTOL),
+    ):
+        assert abs(tel[key].item() - expected) <= rtol * expected, (what, key, tel[key].item(), expected)
 
 
 def check_fsdp_backward(mesh, tag: str) -> None:
@@ -243,9 +337,11 @@ def check_torch_muon_uneven(mesh, tag: str) -> None:
 
 def check_dcp(mesh, tag: str, ckpt_dir: str) -> None:
     """Save model + optimizer after K steps with DCP, load into fresh objects, continue N steps:
-    bitwise equal to the uninterrupted run."""
+    bitwise equal to the uninterrupted run. NorMuon on 3 and 4 ranks (uneven and empty shards of its
+    per-row state), Muon on 1 and 2."""
     K, N = 3, 4
-    kw = dict(lr=LR, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    variant = "normuon" if mesh.size() > 2 else "muon"
+    kw = dict(lr=LR, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", variant=variant)
 
     def build():
         model = make_model(2)
@@ -272,13 +368,16 @@ def check_dcp(mesh, tag: str, ckpt_dir: str) -> None:
     state = {"model": msd2, "optim": osd2}
     dcp.load(state, checkpoint_id=ckpt_dir, process_group=pg)
     set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    keys = {"momentum_buffer", "second_moment"} if variant == "normuon" else {"momentum_buffer"}
     for p in model2.parameters():
-        assert set(opt2.state[p]) == {"momentum_buffer"}, opt2.state[p].keys()
+        assert set(opt2.state[p]) == keys, opt2.state[p].keys()
+        v = opt2.state[p].get("second_moment", p)
+        assert isinstance(v, DTensor) and v.placements == p.placements and v.shape[0] == p.shape[0]
     run(model2, opt2, range(K, K + N))
     got = [p.full_tensor() for p in model2.parameters()]
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
-    log(mesh, f"{tag} dcp save/load/resume: bitwise equal")
+    log(mesh, f"{tag} dcp save/load/resume: bitwise equal ({variant})")
 
 
 def check_clip(mesh, tag: str) -> None:
@@ -305,8 +404,8 @@ def check_clip(mesh, tag: str) -> None:
 def check_local_adamw(mesh, tag: str) -> None:
     """muonrun's AdamW on FSDP2 (or HSDP) shards, uneven and empty ones included, against
     torch.optim.AdamW on the full tensors: the same rows after three steps (torch's default loop and
-    the fused kernel), moments kept as DTensors (DCP), and a gradient laid out unlike its parameter
-    refused."""
+    the fused kernel), moments kept as DTensors (DCP), its telemetry (the same on every rank) equal
+    to the reference's last step, and a gradient laid out unlike its parameter refused."""
     for fused in (None, True):
         model = make_model(4)
         ref = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
@@ -314,13 +413,28 @@ def check_local_adamw(mesh, tag: str) -> None:
         params = list(model.parameters())
         kw = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
         opt, ref_opt = AdamW(params, **kw), torch.optim.AdamW(ref, **kw)
+        opt.collect_telemetry = fused is None
         for step in range(3):
             grads = full_grads(step, 7)
             set_sharded_grads(params, grads)
             for q, g in zip(ref, grads, strict=True):
                 q.grad = g.clone()
+            before = [q.detach().clone() for q in ref]
             opt.step()
             ref_opt.step()
+        if opt.collect_telemetry:
+            assert set(opt.telemetry) == {"update_rms", "momentum_norm"}, opt.telemetry
+            numel = sum(q.numel() for q in ref)
+            update = [(q.detach() - b).square().sum() for q, b in zip(ref, before, strict=True)]
+            momentum = [ref_opt.state[q]["exp_avg"].square().sum() for q in ref]
+            torch.testing.assert_close(
+                opt.telemetry["update_rms"], (sum(update) / numel).sqrt(), rtol=1e-5, atol=0
+            )
+            torch.testing.assert_close(
+                opt.telemetry["momentum_norm"], sum(momentum).sqrt(), rtol=1e-5, atol=0
+            )
+        else:
+            assert opt.telemetry == {}, opt.telemetry
         for p, q in zip(params, ref, strict=True):
             torch.testing.assert_close(p._local_tensor, local_part(q.detach(), p), rtol=1e-6, atol=1e-7)
             assert (
