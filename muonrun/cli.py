@@ -211,12 +211,25 @@ def export(
     dtype: Annotated[
         str, typer.Option(help="Weight dtype: float32 (as trained), bfloat16 or float16.")
     ] = "float32",
+    adapter_only: Annotated[
+        bool,
+        typer.Option(
+            "--adapter-only",
+            help="LoRA runs: write the adapter alone (for peft.PeftModel.from_pretrained), not the merged model.",
+        ),
+    ] = False,
 ) -> None:
-    """Write a Hugging Face folder (safetensors, config.json, tokenizer) from a muonrun checkpoint."""
+    """Write a Hugging Face folder (safetensors, config.json, tokenizer) from a muonrun checkpoint; a LoRA
+    run's adapters merged into its base model, or with --adapter-only the adapter alone."""
     from muonrun.hf import export_hf
 
-    out = export_hf(checkpoint, out_dir, dtype)
-    print(f"Exported to {out}; load it with AutoModelForCausalLM.from_pretrained('{out}').")
+    out = export_hf(checkpoint, out_dir, dtype, adapter_only=adapter_only)
+    if adapter_only:
+        print(
+            f"Exported the adapter to {out}; load it with peft.PeftModel.from_pretrained(base_model, '{out}')."
+        )
+    else:
+        print(f"Exported to {out}; load it with AutoModelForCausalLM.from_pretrained('{out}').")
 
 
 @checkpoint_app.command("verify")

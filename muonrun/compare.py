@@ -10,7 +10,9 @@ A run is labelled `optimizer (name)`; runs that share a name (one config launche
 labelled by their run folder instead: its name, or as many parent folders as tell them apart.
 
 "Target" is the worse run's final (smoothed) loss; each run's steps, tokens and time to first reach it
-say how much sooner the better run got there.
+say how much sooner the better run got there. Runs that logged telemetry (logging.max_attention_logit,
+train.qk_clip.tau, logging.optimizer_telemetry) get rows for it: the largest attention logit, the
+heads QK-clip rescaled, each optimizer's median update RMS.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def summarize(runs: list[Run], smoothing: float) -> tuple[list[dict], float]:
                 "steps_to_target": run.train[hit]["step"],
                 "tokens_to_target": run.train[hit]["tokens_seen"],
                 "time_to_target": run.wall[hit],
+                **telemetry_summary(run),
             }
         )
     worst_tokens = max(rows, key=lambda r: r["final_loss_smoothed"])["tokens_to_target"]
@@ -198,15 +201,51 @@ METRICS = [
 """The table's rows (one column per run, so that a few runs fit a terminal): key, title, format."""
 
 
+def telemetry_summary(run: Run) -> dict:
+    """The telemetry a run logged, over the whole run: the largest `max_attention_logit`, the sum of
+    `qk_clipped_heads`, the median of each `update_rms_<optimizer>`. Keys it did not log are absent."""
+    out: dict = {}
+    logits = [r["max_attention_logit"] for r in run.train if r.get("max_attention_logit") is not None]
+    if logits:
+        out["max_attention_logit"] = max(logits)
+    if any("qk_clipped_heads" in r for r in run.train):
+        out["qk_clipped_heads"] = sum(r.get("qk_clipped_heads") or 0 for r in run.train)
+    for key in sorted({k for r in run.train for k in r if k.startswith("update_rms_")}):
+        out[key] = _median([r.get(key) for r in run.train])
+    return out
+
+
+def table_metrics(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """METRICS, then a row for each telemetry value that some run has."""
+    present = {k for row in rows for k in row}
+    extra = [
+        (k, title, fmt)
+        for k, title, fmt in [
+            ("max_attention_logit", "max attention logit", "{:.1f}"),
+            ("qk_clipped_heads", "heads QK-clipped", "{:,.0f}"),
+        ]
+        if k in present
+    ]
+    extra += [
+        (k, f"update RMS, {k.removeprefix('update_rms_')} (median)", "{:.3g}")
+        for k in sorted(present)
+        if k.startswith("update_rms_")
+    ]
+    return METRICS + extra
+
+
 def _cells(rows: list[dict], key: str, fmt: str) -> list[str]:
-    return ["-" if row[key] is None else fmt.format(row[key]) for row in rows]
+    return ["-" if row.get(key) is None else fmt.format(row[key]) for row in rows]
 
 
 def markdown_table(rows: list[dict], target: float, smoothing: float) -> str:
     lines = [
         "| | " + " | ".join(row["run"] for row in rows) + " |",
         "|---|" + "---:|" * len(rows),
-        *(f"| {title} | " + " | ".join(_cells(rows, key, fmt)) + " |" for key, title, fmt in METRICS),
+        *(
+            f"| {title} | " + " | ".join(_cells(rows, key, fmt)) + " |"
+            for key, title, fmt in table_metrics(rows)
+        ),
         "",
         f"Target loss {target:.4f}: the worse run's final training loss, EMA-smoothed ({smoothing:g} per logged "
         "row). tokens/s and MFU: medians over the logged steps after the first. Token speed-up: the worse "
@@ -224,7 +263,7 @@ def print_comparison(rows: list[dict], target: float) -> None:
     table.add_column("")
     for row in rows:
         table.add_column(row["run"], justify="right")
-    for key, title, fmt in METRICS:
+    for key, title, fmt in table_metrics(rows):
         table.add_row(title, *_cells(rows, key, fmt))
     print_table(table)
 

@@ -51,6 +51,17 @@ def optimizer_lrs(optimizers) -> dict[str, float]:
     return {f"lr_{type(o).__name__.lower()}": o.param_groups[0]["lr"] for o in optimizers}
 
 
+def optimizer_telemetry(optimizers) -> dict[str, torch.Tensor]:
+    """What each optimizer reported about its last step (`optimizer.telemetry`: 0-d device tensors, filled
+    while its `collect_telemetry` is on), each key suffixed by the optimizer's class as in `lr_<class>`:
+    `update_rms_muon`, `momentum_norm_adamw`, ..."""
+    return {
+        f"{key}_{type(o).__name__.lower()}": value
+        for o in optimizers
+        for key, value in (getattr(o, "telemetry", None) or {}).items()
+    }
+
+
 class Metrics:
     """What the trainer reports to: `start` once, `record` every step, `log_eval` after evaluations,
     `note` for messages, `close` at the end. Only rank 0 writes files; every rank joins the reductions."""
@@ -148,9 +159,10 @@ class Metrics:
             )
         if "parameters" in info:
             p = info["parameters"]
-            rows.append(
-                ("parameters", f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)")
-            )
+            text = f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)"
+            if p["trainable"] < p["total"]:  # LoRA
+                text += f", {p['trainable']:,} trainable ({p['trainable'] / p['total']:.2%})"
+            rows.append(("parameters", text))
         rows.append(("FLOPs/token", f"{self.flops_per_token:.3e} (train: forward + backward)"))
         o = c.optimizer
         opt = f"{o.name}: lr {o.lr:g}, weight decay {o.weight_decay:g}"
@@ -222,11 +234,14 @@ class Metrics:
         optimizers,
         log: bool,
         optimizer_time: Callable[[], float] | None = None,
+        telemetry: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Accumulate one step; on logged steps queue the cross-rank reductions and write the row at the
         next call (one step late), so that logging never makes the host wait for the GPU.
         `loss` and `grad_norm` are device tensors; `optimizer_time` (only when timed) returns the
-        optimizer step's seconds once its events completed."""
+        optimizer step's seconds once its events completed. `telemetry` (logged steps): more 0-d device
+        tensors for the row, each a global value or this rank's maximum: reduced with MAX across ranks
+        in the same collective as the memory numbers (every rank must pass the same keys)."""
         self._flush()
         self._window_steps += 1
         self._window_wait += data_wait
@@ -244,7 +259,8 @@ class Metrics:
             torch.stack([self._loss_sum / self._window_steps, grad_norm.detach().float().to(device)])
         )
         memory = memory_numbers(self.dist.device)
-        worst = all_reduce_max(to_device([self._window_wait, *memory.values()], device))
+        extra = [v.detach().float().reshape(1).to(device) for v in (telemetry or {}).values()]
+        worst = all_reduce_max(torch.cat([to_device([self._window_wait, *memory.values()], device), *extra]))
         reduced = HostCopy(torch.cat([mean, worst]))
         steps = self._window_steps
         step_time = (now - self._window_start - self._window_paused) / steps
@@ -270,21 +286,21 @@ class Metrics:
         eta = None
         if done_steps := state.step - self._start_step:
             eta = (self.cfg.train.max_steps - state.step) * (now - self._t0) / done_steps
-        self._pending = (row, reduced, list(memory), timings, steps, eta)
+        self._pending = (row, reduced, [*memory, *(telemetry or {})], timings, steps, eta)
         self._reset_window(start=now)
 
     def _flush(self) -> None:
         """Write the row queued by the last logged step (its reductions finished long ago)."""
         if self._pending is None:
             return
-        row, reduced, memory_keys, timings, steps, eta = self._pending
+        row, reduced, worst_keys, timings, steps, eta = self._pending
         self._pending = None
-        loss, grad_norm, wait, *memory = reduced.values()
+        loss, grad_norm, wait, *worst = reduced.values()
         row.update(
             loss=loss,
             grad_norm=grad_norm,
             data_wait_time=wait / steps,
-            **dict(zip(memory_keys, memory, strict=True)),
+            **dict(zip(worst_keys, worst, strict=True)),
         )
         if "alloc_retries" in row:
             row["alloc_retries"] = int(row["alloc_retries"])

@@ -13,7 +13,10 @@ from torch import nn
 
 from muonrun.config import ModelConfig
 from muonrun.errors import UserError
+from muonrun.lora import adapter_init, apply_lora
 from muonrun.loss import linear_cross_entropy_sum
+from muonrun.qkclip import ATTENTION_NAME
+from muonrun.qkclip import observe as observe_max_logit
 
 
 def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
@@ -113,8 +116,9 @@ def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8)
 # SDPA registered under a second name, which transformers builds no attention masks for. Our batches
 # have no padding, no cache and no position ids, so for plain causal attention transformers' mask
 # builder returns None anyway (SDPA then runs with is_causal=True), but first it checks the position
-# ids for packed sequences with a Python bool: a host sync at the start of every forward.
-MASK_FREE_SDPA = "muonrun_causal_sdpa"
+# ids for packed sequences with a Python bool: a host sync at the start of every forward. (The name
+# lives in qkclip.py, which checks that a model's attention reports its logits there.)
+MASK_FREE_SDPA = ATTENTION_NAME
 
 
 def only_full_causal_attention(hf_config) -> bool:
@@ -133,14 +137,23 @@ def use_mask_free_sdpa(model: nn.Module, m: ModelConfig) -> None:
     if not getattr(model, "_can_set_attn_implementation", lambda: False)():
         return
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    AttentionInterface.register(MASK_FREE_SDPA, sdpa_attention_forward)
+    AttentionInterface.register(MASK_FREE_SDPA, causal_sdpa)
     model.set_attn_implementation(MASK_FREE_SDPA)
 
 
+def causal_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, after handing its query (RoPE applied) and key (before the GQA
+    repeat) to muonrun/qkclip.py, which measures the largest logit per head when that is on."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    observe_max_logit(module, query, key, kwargs.get("scaling"))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def build_model(m: ModelConfig, hf_config) -> nn.Module:
-    """The causal LM on the meta device (no memory is used until `init_weights`)."""
+    """The causal LM on the meta device (no memory is used until `init_weights`), with LoRA adapters
+    when `model.lora.enabled` (muonrun/lora.py)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -156,6 +169,8 @@ def build_model(m: ModelConfig, hf_config) -> nn.Module:
                 f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}"
             ) from None
     use_mask_free_sdpa(model, m)
+    if m.lora.enabled:
+        apply_lora(model, m.lora)
     return model
 
 
@@ -194,9 +209,13 @@ def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) 
             elif param.ndim == 1:
                 full = torch.ones(full_shape, device=device)
             else:
-                assert isinstance(module, nn.Linear | nn.Embedding), f"no init rule for {mod_name}.{p_name}"
                 gen = torch.Generator(device=device).manual_seed(_seed_for(f"{mod_name}.{p_name}", seed))
-                full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
+                full = adapter_init(f"{mod_name}.{p_name}", full_shape, gen, device)  # LoRA's A and B
+                if full is None:
+                    assert isinstance(module, nn.Linear | nn.Embedding), (
+                        f"no init rule for {mod_name}.{p_name}"
+                    )
+                    full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
             if isinstance(param, DTensor):
                 local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                 param.to_local().copy_(local.to_local())
@@ -241,13 +260,12 @@ class CausalLMWithLoss(nn.Module):
 
 
 def count_params(model: nn.Module) -> dict[str, int]:
-    """Parameter counts (tied weights once): total, embedding, and the rest."""
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        seen[id(p)] = p.numel()
-    total = sum(seen.values())
+    """Parameter counts (tied weights once): total, embedding, the rest, and those that train."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() for p in unique)
     emb = model.get_input_embeddings().weight.numel()
-    return {"total": total, "embedding": emb, "non_embedding": total - emb}
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    return {"total": total, "embedding": emb, "non_embedding": total - emb, "trainable": trainable}
 
 
 def flops_per_token(hf_config, seq_len: int) -> float:

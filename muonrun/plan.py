@@ -15,15 +15,18 @@ GIB = 2**30
 
 
 def memory_per_rank(
-    params: dict[str, int], muon_params: int, optimizer: str, dp_shard: int
+    params: dict[str, int], muon_params: int, optimizer: str, dp_shard: int, frozen_bytes: int = 4
 ) -> dict[str, float]:
     """GiB per rank for fp32 master weights, fp32 gradients and optimizer state, sharded over dp_shard.
-    AdamW keeps two fp32 buffers per parameter; Muon one for its matrices (AdamW's two for the rest)."""
+    AdamW keeps two fp32 buffers per parameter; Muon one for its matrices (AdamW's two for the rest).
+    Frozen parameters (LoRA's base) are kept in the compute dtype (`frozen_bytes` each), with neither
+    gradients nor optimizer state."""
     total = params["total"]
-    state_floats = 2 * total if optimizer == "adamw" else muon_params + 2 * (total - muon_params)
+    trainable = params.get("trainable", total)
+    state_floats = 2 * trainable if optimizer == "adamw" else muon_params + 2 * (trainable - muon_params)
     return {
-        "weights": 4 * total / dp_shard / GIB,
-        "gradients": 4 * total / dp_shard / GIB,
+        "weights": (4 * trainable + frozen_bytes * (total - trainable)) / dp_shard / GIB,
+        "gradients": 4 * trainable / dp_shard / GIB,
         "optimizer": 4 * state_floats / dp_shard / GIB,
     }
 
@@ -56,14 +59,13 @@ def activation_gib(hf, c, param_bytes: int) -> float:
     return (layer_bytes + head_bytes) / GIB
 
 
-def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = False) -> float:
-    """Muon's Newton–Schulz FLOPs per rank and optimizer step: every matrix is orthogonalized once in
-    each shard group, so the work is split over dp_shard ranks; a matrix is never split, so the
-    busiest rank does at least the largest one."""
-    from muonrun.optim.newton_schulz import newton_schulz_flops
+def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = False) -> dict[str, list[int]]:
+    """Muon's Newton–Schulz FLOPs of each of the dp_shard ranks per optimizer step: every matrix is
+    orthogonalized once in each shard group, by one owner rank. `"balanced"`: the owners Muon picks
+    (balanced by cost); `"round_robin"`: each shape's matrices dealt to the ranks in turn."""
+    from muonrun.optim.sharding import owner_flops
 
-    flops = [newton_schulz_flops(shape, steps, gram) for shape in shapes]
-    return max(sum(flops) / dp_shard, max(flops, default=0))
+    return owner_flops(shapes, dp_shard, steps, gram)
 
 
 def tokenizer_vocab(c) -> tuple[int | None, str]:
@@ -102,6 +104,12 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     muon_params = sum(p.numel() for _, p in split.muon)
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * world
     fpt = flops_per_token(hf, c.data.seq_len)
+    if c.model.lora.enabled:
+        from muonrun.lora import lora_flops_per_token
+
+        fpt = lora_flops_per_token(fpt, model)
+    # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
+    param_bytes = 4 if c.parallel.param_dtype == "float32" or c.train.device == "cpu" else 2
     return {
         "model": f"{hf.model_type} ({c.model.name_or_path or 'inline config'})",
         "tokenizer": tokenizer,
@@ -121,12 +129,17 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
             if c.optimizer.name == "muon"
             else 0
         ),
-        "memory_gib_per_rank": memory_per_rank(params, muon_params, c.optimizer.name, shard),
-        # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
-        "activation_gib_per_rank": activation_gib(
-            hf, c, 4 if c.parallel.param_dtype == "float32" or c.train.device == "cpu" else 2
-        ),
+        "memory_gib_per_rank": memory_per_rank(params, muon_params, c.optimizer.name, shard, param_bytes),
+        "activation_gib_per_rank": activation_gib(hf, c, param_bytes),
     }
+
+
+def lora_row(c, p: dict) -> str:
+    lo = c.model.lora
+    return (
+        f"; LoRA rank {lo.rank} on {', '.join(lo.target_modules)}: {p['trainable']:,} train "
+        f"({p['trainable'] / p['total']:.2%}), the rest frozen in the compute dtype"
+    )
 
 
 def model_for_float8(c):
@@ -163,7 +176,11 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
     rows = [
         ("model", s["model"]),
         ("tokenizer", s["tokenizer"]),
-        ("parameters", f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)"),
+        (
+            "parameters",
+            f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)"
+            + (lora_row(c, p) if c.model.lora.enabled else ""),
+        ),
         (
             "optimizer",
             c.optimizer.name
@@ -193,13 +210,17 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
     if c.parallel.float8 != "none":
         rows.insert(-1, ("float8", float8_row(model_for_float8(c), c.parallel.float8)))
     if s["ns_flops_per_rank_step"]:
-        ns, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
+        per_rank, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
+        ns, rr = max(per_rank["balanced"]), max(per_rank["round_robin"])
+        average = sum(per_rank["balanced"]) / len(per_rank["balanced"])
         rows.insert(
             -1,
             (
                 "Muon Newton–Schulz",
                 f"{ns / 1e12:.2f} TFLOP per rank per optimizer step = {ns / model:.1%} of the model's "
-                f"{model / 1e12:.1f} TFLOP per rank and step: the arithmetic Muon adds; its momentum, "
+                f"{model / 1e12:.1f} TFLOP per rank and step (busiest rank: {ns / 1e12:.2f} TFLOP, "
+                f"{ns / average:.1%} of the average, with owners balanced by cost; {rr / 1e12:.2f} TFLOP, "
+                f"{rr / average:.1%}, with each shape dealt round-robin): the arithmetic Muon adds; its momentum, "
                 "exchange and update add more (docs/performance.md sets both beside measured step "
                 "times); more tokens per step (train.grad_accum_steps) or more ranks shrink it",
             ),

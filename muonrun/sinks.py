@@ -17,14 +17,28 @@ def _numbers(row: dict) -> dict[str, float]:
     return {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
+TELEMETRY_SECTIONS = {
+    "max_attention_logit": "attention",
+    "qk_clipped_heads": "attention",
+    "update_rms_": "optimizer",
+    "momentum_norm_": "optimizer",
+    "ortho_residual_": "optimizer",
+}
+"""Train-row keys (by prefix) that get their own tag section: `attention/max_attention_logit_3`,
+`optimizer/update_rms_muon` (TensorBoard groups its charts by the part before the first slash)."""
+
+
+def _section(key: str, default: str) -> str:
+    return next((s for prefix, s in TELEMETRY_SECTIONS.items() if key.startswith(prefix)), default)
+
+
 def _tags(row: dict) -> dict[str, float]:
-    """A train or eval row's numbers as TensorBoard / W&B tags: `train/loss`, `eval/loss`, `eval/ppl`, ..."""
-    section = "eval" if "eval_loss" in row else "train"
-    return {
-        f"{section}/{k.removeprefix('eval_')}": v
-        for k, v in _numbers(row).items()
-        if k not in ("step", "time")
-    }
+    """A train or eval row's numbers as TensorBoard / W&B tags: `train/loss`, `eval/loss`, `eval/ppl`,
+    and the telemetry under `attention/` and `optimizer/`."""
+    numbers = {k: v for k, v in _numbers(row).items() if k not in ("step", "time")}
+    if "eval_loss" in row:
+        return {f"eval/{k.removeprefix('eval_')}": v for k, v in numbers.items()}
+    return {f"{_section(k, 'train')}/{k}": v for k, v in numbers.items()}
 
 
 class JsonlSink:

@@ -20,12 +20,14 @@ from muonrun.clip import clip_grad_norm
 from muonrun.config import Config
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
-from muonrun.hf import export_hf, load_pretrained
-from muonrun.metrics import Metrics
+from muonrun.hf import base_identity, export_hf, load_pretrained
+from muonrun.lora import lora_flops_per_token
+from muonrun.metrics import Metrics, optimizer_telemetry
 from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
 from muonrun.optim.build import build_optimizers
 from muonrun.parallelize import parallelize
 from muonrun.profiling import StepProfiler, phase
+from muonrun.qkclip import build_qk_clip
 from muonrun.schedule import lr_multiplier
 
 
@@ -90,6 +92,10 @@ class Trainer:
         self.model.to_empty(device=self.dist.device)
         init_weights(self.model, self.hf_config.initializer_range, cfg.train.seed, self.dist.device)
         self.optimizers = build_optimizers(self.model, cfg.optimizer, device_type)
+        # Per-head max attention logits, measured in forward; QK-clip rescales after each optimizer step.
+        self.qk_clip = build_qk_clip(
+            self.model, cfg.train.qk_clip.tau, cfg.logging.max_attention_logit, self.dist.device
+        )
 
         # Every rank is a data-parallel rank: HSDP replicas and FSDP shards all read different data.
         # Pinned host batches let the copy to the GPU (non_blocking) overlap with compute.
@@ -113,24 +119,30 @@ class Trainer:
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
 
         # Resume (or init_from) overwrites what was just initialised; a fresh start may take pretrained weights.
+        # LoRA: checkpoints hold what trains; the frozen base is read at every start, under the adapters.
+        lora = cfg.model.lora.enabled
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
             Path(cfg.output_dir) / "checkpoints",
             self.dist,
             states={
-                "model": ModelState(self.model),
+                "model": ModelState(self.model, trainable_only=lora),
                 "optim": OptimizerState(self.model, self.optimizers),
                 "train": self.state,
             },
             rank_states={"loader": self.loader, "rng": RNGState(self.dist.device)},
             confirm=self.settle,
+            identity={"base_model": base_identity(cfg.model.name_or_path, self.dist)} if lora else None,
         )
-        if self.checkpointer.load() is None and cfg.model.init == "pretrained":
+        if lora:
             load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
+        if self.checkpointer.load() is None and cfg.model.init == "pretrained" and not lora:
+            load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
+        fpt = flops_per_token(self.hf_config, cfg.data.seq_len)
         self.metrics = Metrics(
             cfg,
             self.dist,
-            flops_per_token=flops_per_token(self.hf_config, cfg.data.seq_len),
+            flops_per_token=lora_flops_per_token(fpt, self.model.lm) if lora else fpt,
             model=self.model.lm,
         )
 
@@ -174,12 +186,29 @@ class Trainer:
             self.agreement.launch(self.state.step + 1, loss_sum, grad_norm, self.checkpointer.local_flags())
             self.act_on(previous)
         timer = OptimizerTimer(self.dist.device) if self.cfg.logging.time_optimizer else None
+        # Optimizer telemetry costs device work: only on the steps that log it.
+        telemetry = self.cfg.logging.optimizer_telemetry and self.logs(self.state.step + 1)
         with phase("optimizer"):
             for opt in self.optimizers:
+                opt.collect_telemetry = telemetry
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         self.optimizer_time = timer.stop() if timer else None
+        if self.qk_clip is not None:
+            with phase("qk_clip"):
+                self.qk_clip.after_step()
         return loss_sum, grad_norm, data_wait
+
+    def logs(self, step: int) -> bool:
+        """Whether `step` writes a metrics row."""
+        return step == self.cfg.train.max_steps or step % self.cfg.logging.log_interval == 0
+
+    def telemetry(self) -> dict[str, torch.Tensor]:
+        """This step's optimizer telemetry and attention logits as device tensors (read one step late)."""
+        values = optimizer_telemetry(self.optimizers) if self.cfg.logging.optimizer_telemetry else {}
+        if self.qk_clip is not None:
+            values.update(self.qk_clip.telemetry())
+        return values
 
     def act_on(self, agreed: Agreed | None) -> None:
         """Stop on a non-finite step anywhere; hand the agreed flags to the checkpointer."""
@@ -223,7 +252,7 @@ class Trainer:
                 step = self.state.step
                 faults.after_step(step, self.dist.rank)  # MUONRUN_FAULT=kill@STEP / term@STEP
                 profiler.step()
-                last = step == cfg.train.max_steps
+                last, log = step == cfg.train.max_steps, self.logs(step)
                 self.metrics.record(
                     self.state,
                     loss,
@@ -231,8 +260,9 @@ class Trainer:
                     lr_mult,
                     data_wait,
                     self.optimizers,
-                    log=last or step % cfg.logging.log_interval == 0,
+                    log=log,
                     optimizer_time=self.optimizer_time,
+                    telemetry=self.telemetry() if log else None,
                 )
                 if cfg.train.eval_interval and (last or step % cfg.train.eval_interval == 0):
                     self.metrics.log_eval(self.state, self.evaluate())

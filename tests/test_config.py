@@ -128,6 +128,8 @@ def test_list_elements_are_set_by_index_in_either_syntax(tmp_path):
         load_config("tiny", ["data.sources.0.pth=x.jsonl"])
     with pytest.raises(UserError, match=r"'data.sources.0.weight'.*wrong type"):
         load_config("tiny", ["data.sources.0.weight=heavy"])
+    with pytest.raises(UserError, match=r"not valid YAML.*Quote values"):  # an unquoted `:` in a list
+        load_config("tiny", ["data.sources=[{path: ${stdlib:}/*.py}]"])
 
 
 def test_defaults_may_name_a_builtin_preset(tmp_path):

@@ -154,7 +154,10 @@ def _parse_value(key: str, text: str) -> Any:
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
     except Exception as e:
-        raise UserError(f"Override '{key}={text}': the value is not valid YAML: {e}") from None
+        raise UserError(
+            f"Override '{key}={text}': the value is not valid YAML ({' '.join(str(e).split())[:200]}). "
+            'Quote values that hold ":", "{" or "#".'
+        ) from None
 
 
 def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConfig:
@@ -174,7 +177,14 @@ def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConf
         hint = _did_you_mean(cfg, key) or " Prefix it with '+' to add a key to an open section (model.hf)."
         raise UserError(f"Unknown config key '{key}' in {source}.{hint}")
     if not any(part.isdigit() for part in key.split(".")):
-        return _merge(cfg, OmegaConf.from_dotlist([f"{key}={text}"]), source)
+        try:
+            layer = OmegaConf.from_dotlist([f"{key}={text}"])
+        except Exception as e:  # yaml's scanner errors: a `:` or `{` inside an unquoted value
+            raise UserError(
+                f"Override '{key}={text}': the value is not valid YAML ({' '.join(str(e).split())[:200]}). "
+                'Quote values that hold ":", "{" or "#", e.g. data.sources=[{path: "${stdlib:}/*.py"}].'
+            ) from None
+        return _merge(cfg, layer, source)
     value = _parse_value(key, text)  # inside a list element: set in place (a merge cannot index lists)
     try:
         OmegaConf.update(cfg, key, value, merge=False, force_add=add)
@@ -268,3 +278,13 @@ def validate(cfg: DictConfig) -> None:
         )
     if c.model.init == "pretrained" and not c.model.name_or_path:
         raise UserError("Config key 'model.init' is 'pretrained' but 'model.name_or_path' is not set.")
+    if c.model.lora.enabled and c.model.init != "pretrained":
+        raise UserError(
+            "Config key 'model.lora.enabled' is true but 'model.init' is 'random': LoRA adapts a pretrained "
+            "model. Set model.init=pretrained and model.name_or_path."
+        )
+    if c.model.lora.enabled and c.parallel.float8 != "none":
+        raise UserError(
+            "Config key 'parallel.float8' is set with model.lora.enabled: float8 matmuls are not available "
+            "for LoRA's frozen layers yet. Set parallel.float8=none."
+        )

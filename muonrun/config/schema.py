@@ -34,6 +34,45 @@ def _not_negative(**values: float) -> None:
 
 
 @dataclass
+class LoraSettings:
+    enabled: bool = False
+    """Train LoRA adapters (peft; `pip install 'muonrun[lora]'`) on the frozen pretrained model of
+    `model.name_or_path` instead of all its weights (needs `model.init=pretrained`). The frozen weights
+    stay in the compute dtype (no fp32 copy, gradients or optimizer state); checkpoints hold only what
+    trains. With optimizer.name=muon the adapters' A and B matrices are Muon's, everything else that
+    trains is AdamW's."""
+    rank: int = 16
+    """Rank r of every adapter: A is r x in_features, B is out_features x r (B starts at zero)."""
+    alpha: float = 32.0
+    """LoRA scaling: an adapted layer computes W x + (alpha / rank) B A x."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (peft's lora_dropout), in [0, 1)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Modules that get an adapter: a name matches every module whose name is it or ends with `.NAME`
+    (`q_proj`), a glob is matched against the full module name (`model.layers.1*.mlp.*`). Each entry
+    must match a linear layer; the default is the attention and MLP projections of Qwen2-, Llama- and
+    Mistral-style models. Embeddings and the LM head cannot take an adapter: train them with
+    `model.lora.train`."""
+    train: list[str] = field(default_factory=list)
+    """Globs on the base model's parameter names that train fully beside the adapters, in fp32 with
+    optimizer state and saved in checkpoints: e.g. `model.embed_tokens.weight`, `lm_head.weight`,
+    `*norm.weight`. Each must match a parameter. Empty: only the adapters train."""
+
+    def __post_init__(self) -> None:
+        _at_least(1, **{"model.lora.rank": self.rank})
+        if self.alpha <= 0:
+            raise UserError(f"Config key 'model.lora.alpha' is {self.alpha}; it must be positive.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"Config key 'model.lora.dropout' is {self.dropout}; it must be in [0, 1).")
+        if self.enabled and not self.target_modules:
+            raise UserError(
+                "Config key 'model.lora.target_modules' is empty; name at least one module (q_proj)."
+            )
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str | None = None
     """Hugging Face model id or local folder whose config.json defines the architecture. When None,
@@ -56,6 +95,8 @@ class ModelConfig:
     """Let transformers run Python code shipped with `name_or_path`'s model. Off: only architectures
     built into transformers load (tokenizers never run remote code); turn it on only for a repository
     you trust."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapters on a pretrained model (off by default): `model.lora.*`."""
 
 
 @dataclass
@@ -135,6 +176,17 @@ class MuonConfig:
     lr*0.2*sqrt(max(A, B)) (reuse AdamW's lr); `spectral` lr*sqrt(A/B)."""
     eps: float = 1e-7
     """Added to the Frobenius norm before Newton–Schulz."""
+    variant: str = one_of("muon", "normuon")
+    """`muon`, or `normuon` (NorMuon, arXiv:2510.05491): after Newton–Schulz, each row is divided by
+    the root of an EMA of its mean square (`optimizer.muon.beta2`), then the matrix is rescaled to the
+    Frobenius norm of an orthogonal one, so `adjust_lr_fn` applies as for Muon; with `match_rms_adamw`
+    that is the paper's step 0.2 * lr * sqrt(A*B) / ||Ô||_F. Keeps one more fp32 number per matrix row."""
+    beta2: float = 0.95
+    """NorMuon's EMA coefficient for each row's second moment, in [0, 1) (unused by `muon`)."""
+    ns_dtype: str = one_of("auto", "bfloat16", "float32")
+    """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
+    and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
+    several times slower (docs/performance.md)."""
     muon_patterns: list[str] = field(default_factory=list)
     """Parameter-name globs forced into Muon (must be 2-D)."""
     adamw_patterns: list[str] = field(default_factory=list)
@@ -142,6 +194,8 @@ class MuonConfig:
 
     def __post_init__(self) -> None:
         _not_negative(**{"optimizer.muon.lr": self.lr, "optimizer.muon.ns_steps": self.ns_steps})
+        if not 0.0 <= self.beta2 < 1.0:
+            raise UserError(f"Config key 'optimizer.muon.beta2' is {self.beta2}; it must be in [0, 1).")
 
 
 @dataclass
@@ -229,6 +283,25 @@ class ParallelConfig:
 
 
 @dataclass
+class QKClipConfig:
+    tau: float | None = None
+    """QK-clip (MuonClip, Kimi K2: arXiv:2507.20534). After every optimizer step, each attention head
+    whose largest pre-softmax logit in that step exceeded tau gets its query and key projection rows
+    (and biases) rescaled so that logit becomes tau; with grouped-query attention the shared key head
+    takes the square root of its group's strongest clip and each query head the rest, so each head's
+    logits scale by exactly its own factor. None: off (K2 uses 100). Works with either optimizer; needs
+    SDPA attention, full causal, without QK-norm. The logits are measured exactly in every training
+    forward (one extra Q K^T pass without backward: a sixth of the attention FLOPs, muonrun/qkclip.py);
+    logs `max_attention_logit` per layer and `qk_clipped_heads`."""
+
+    def __post_init__(self) -> None:
+        if self.tau is not None and self.tau <= 0:
+            raise UserError(
+                f"Config key 'train.qk_clip.tau' is {self.tau}; it must be positive (or null: off)."
+            )
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps to train."""
@@ -249,6 +322,8 @@ class TrainConfig:
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the fused LM head + cross-entropy (gradients computed chunk by chunk in
     forward), so the full fp32 logits never exist. 0: one chunk (fine for small vocabularies)."""
+    qk_clip: QKClipConfig = field(default_factory=QKClipConfig)
+    """QK-clip (off by default): `train.qk_clip.tau`."""
 
     def __post_init__(self) -> None:
         _at_least(
@@ -312,6 +387,15 @@ class LoggingConfig:
     time_optimizer: bool = False
     """Log `optimizer_step_time`: the optimizer step timed with CUDA events around it (no host sync;
     on CPU, wall time)."""
+    max_attention_logit: bool = False
+    """Log `max_attention_logit` (and `max_attention_logit_<layer>`): the largest pre-softmax attention
+    logit since the last logged step, measured exactly in every training forward (the cost of
+    train.qk_clip.tau's measurement, which logs them anyway), without clipping anything."""
+    optimizer_telemetry: bool = False
+    """Log, on logged steps, what each optimizer reports about its step, suffixed by its name:
+    `update_rms_<opt>` (RMS of the step's update), `momentum_norm_<opt>`, and for Muon
+    `ortho_residual_<opt>` (how far a sampled orthogonalized matrix is from orthogonal). Computed only
+    on logged steps, on the device; read one step late like the other metrics."""
     profile: bool = False
     """Profile steps 6-8 on rank 0 with torch.profiler; writes OUTPUT_DIR/profile/ops.txt,
     trace.json.gz and timeline.txt (GPU busy/idle/communication per step and per phase)."""
