@@ -298,14 +298,21 @@ def run_worker(config_yaml: str) -> None:
     from muonrun.distributed import destroy
 
     cfg = to_object(from_yaml(config_yaml))
-    trainer, finished = None, False
+    trainer, together = None, False
     try:
         trainer = Trainer(cfg)
         trainer.train()
         trainer.finish()
-        finished = True
+        together = True
+    except NonFiniteError:
+        together = True  # every rank agreed on it and stops at the same step
+        raise
     finally:
         if trainer is not None:
             trainer.close()
-        # After an error on this rank alone the others may be inside a collective: no barrier then.
-        destroy(barrier=finished)
+        # After an error on this rank alone the others may be inside a collective: leave their process
+        # group as it is (tearing it down under a peer's traffic can abort the process); exiting
+        # closes it. A world of one has no peers.
+        alone = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+        if together or alone:
+            destroy(barrier=together)
