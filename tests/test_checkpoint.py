@@ -289,6 +289,25 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
     ids = torch.randint(0, 257, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref.eval()(ids).logits, rtol=0, atol=0)
+    # With a Hugging Face tokenizer its files and its EOS id go into the export (generation stops there).
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"], show_progress=False)
+    raw.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>")
+    tok.save_pretrained(tmp_path / "tok")
+    run = tmp_path / "run-hf-tok"
+    shutil.copytree(adamw_ref, run)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("tokenizer: byte", f"tokenizer: {tmp_path / 'tok'}"))
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf-tok")])
+    assert result.exit_code == 0, result.output
+    exported = json.loads((tmp_path / "hf-tok" / "config.json").read_text())
+    assert exported["eos_token_id"] == tok.eos_token_id is not None
+    assert (tmp_path / "hf-tok" / "tokenizer.json").is_file()
     # Mistakes are one paragraph and exit code 2.
     partial = adamw_ref / "checkpoints" / "step-99.tmp"
     shutil.copytree(step, partial, ignore=shutil.ignore_patterns(META))

@@ -140,3 +140,16 @@ def test_float8_is_planned_by_layer_size_and_refused_on_cpu():
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and "'parallel.float8'" in text and "no GPU" in text, result.output
     assert "Traceback" not in result.output
+
+
+def test_an_output_dir_that_cannot_hold_a_run_exits_2_before_training(tmp_path):
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    for out, says in (
+        (a_file, "is a file, not a folder"),
+        (a_file / "run", "cannot be written (Not a directory"),
+    ):
+        result = runner.invoke(app, ["pretrain", "tiny", f"output_dir={out}", "train.max_steps=1"])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and f"output_dir '{out}'" in text and says in text, result.output
+        assert "Traceback" not in result.output
