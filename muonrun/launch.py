@@ -99,8 +99,6 @@ def _has_cuda() -> bool:
 
 def check_output_dir(out: Path) -> None:
     """output_dir must be a folder this node can create and write (checkpoints, metrics, logs)."""
-    import tempfile
-
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir '{out}' is a file, not a folder; set output_dir to a folder path.")
     try:

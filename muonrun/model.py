@@ -85,10 +85,11 @@ def check_hf_keys(extra: dict, config_class: type, m: ModelConfig) -> None:
         )
 
 
-def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8):
+def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8) -> nn.Module:
     """Build the model on the meta device and run one forward there (shapes only, no memory, no
     GPU): an architecture that cannot run with these settings (query heads not a multiple of key/value
-    heads, say) fails here, before any worker starts, naming the settings. Returns the HF config."""
+    heads, say) fails here, before any worker starts, naming the settings. Returns the meta model
+    (its HF config is `.config`)."""
     hf = build_hf_config(m, vocab_size)
     model = build_model(m, hf)
     with torch.device("meta"):
@@ -96,10 +97,10 @@ def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8)
         try:
             model.base_model(input_ids=ids, use_cache=False)
         except NotImplementedError:
-            return hf  # an op without a meta kernel: nothing to learn here
+            return model  # an op without a meta kernel: nothing to learn here
         except RuntimeError as e:
             if "meta" in str(e):  # e.g. `.item()` in the model's own code: cannot run on meta
-                return hf
+                return model
             settings = ", ".join(
                 f"{k}={getattr(hf, k)}"
                 for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -110,7 +111,7 @@ def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8)
                 f'{hf.model_type}: a forward pass fails with "{str(e).splitlines()[0]}". Fix model.hf '
                 "(for example, num_attention_heads must be a multiple of num_key_value_heads)."
             ) from None
-    return hf
+    return model
 
 
 # SDPA registered under a second name, which transformers builds no attention masks for. Our batches

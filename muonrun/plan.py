@@ -82,7 +82,7 @@ def tokenizer_vocab(c) -> tuple[int | None, str]:
 
 def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     from muonrun.launch import default_nproc
-    from muonrun.model import build_model, check_model, count_params, flops_per_token
+    from muonrun.model import check_model, count_params, flops_per_token
     from muonrun.optim.groups import split_params
 
     c = to_object(cfg)
@@ -95,8 +95,8 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
     replicate, shard = mesh_shape(c, world, how)
     vocab, tokenizer = tokenizer_vocab(c)
-    hf = check_model(c.model, vocab, c.data.seq_len)
-    model = build_model(c.model, hf)
+    model = check_model(c.model, vocab, c.data.seq_len)
+    hf = model.config
     params = count_params(model)
     split = split_params(
         model, muon_patterns=c.optimizer.muon.muon_patterns, adamw_patterns=c.optimizer.muon.adamw_patterns
@@ -131,6 +131,7 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
         ),
         "memory_gib_per_rank": memory_per_rank(params, muon_params, c.optimizer.name, shard, param_bytes),
         "activation_gib_per_rank": activation_gib(hf, c, param_bytes),
+        "float8": float8_row(model, c.parallel.float8) if c.parallel.float8 != "none" else None,
     }
 
 
@@ -140,12 +141,6 @@ def lora_row(c, p: dict) -> str:
         f"; LoRA rank {lo.rank} on {', '.join(lo.target_modules)}: {p['trainable']:,} train "
         f"({p['trainable'] / p['total']:.2%}), the rest frozen in the compute dtype"
     )
-
-
-def model_for_float8(c):
-    from muonrun.model import build_hf_config, build_model
-
-    return build_model(c.model, build_hf_config(c.model))
 
 
 def float8_row(model, recipe: str) -> str:
@@ -208,7 +203,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ("output", c.output_dir),
     ]
     if c.parallel.float8 != "none":
-        rows.insert(-1, ("float8", float8_row(model_for_float8(c), c.parallel.float8)))
+        rows.insert(-1, ("float8", s["float8"]))
     if s["ns_flops_per_rank_step"]:
         per_rank, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
         ns, rr = max(per_rank["balanced"]), max(per_rank["round_robin"])

@@ -49,15 +49,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A complete step-N folder, or a run folder / its checkpoints folder (-> the latest complete one)."""
+def checkpoints_of(path: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint a path names, oldest first: itself (a step-N folder), or all those of a
+    run folder or its checkpoints folder. Raises a UserError saying what the path is instead."""
     path = Path(path)
     if is_complete(path):
-        return path
+        return [path]
     for root in (path / "checkpoints", path):
         found = complete_checkpoints(root)
         if found:
-            return found[-1]
+            return found
     if path.name.endswith(".tmp") or (path.is_dir() and STEP_DIR.match(path.name)):
         raise UserError(
             f"Checkpoint '{path}' is incomplete (its save was interrupted); use an earlier step-N folder."
@@ -68,16 +69,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
-def checkpoints_of(path: str | os.PathLike) -> list[Path]:
-    """Every complete checkpoint a path names: itself, or all of a run folder's / checkpoints folder's."""
-    path = Path(path)
-    if is_complete(path):
-        return [path]
-    for root in (path / "checkpoints", path):
-        found = complete_checkpoints(root)
-        if found:
-            return found
-    return [resolve_checkpoint(path)]  # raises the right UserError
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete step-N folder, or a run folder / its checkpoints folder (-> the latest complete one)."""
+    return checkpoints_of(path)[-1]
 
 
 def sha256_file(path: Path) -> str:
