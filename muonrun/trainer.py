@@ -134,10 +134,14 @@ class Trainer:
             confirm=self.settle,
             identity={"base_model": base_identity(cfg.model.name_or_path, self.dist)} if lora else None,
         )
-        if lora:
-            load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
-        if self.checkpointer.load() is None and cfg.model.init == "pretrained" and not lora:
-            load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
+        try:
+            if lora:
+                load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
+            if self.checkpointer.load() is None and cfg.model.init == "pretrained" and not lora:
+                load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
+        except BaseException:
+            self.checkpointer.close()  # gives the signal handlers back: no Trainer exists to close it
+            raise
         fpt = flops_per_token(self.hf_config, cfg.data.seq_len)
         self.metrics = Metrics(
             cfg,
