@@ -1,47 +1,71 @@
 #!/usr/bin/env bash
-# The AdamW-vs-Muon study in one command: a learning-rate sweep of each optimizer on the study
-# presets (same tokens, seed and data order), then `muonrun compare` of the best of each.
-#   bash scripts/study.sh OUT_DIR            (GPU host; runs two sweeps at a time, one per GPU)
-# Knobs (environment): ADAMW_LRS, MUON_LRS, STEPS (train.max_steps), GPUS (how many run at once).
+# The optimizer study in one command: a learning-rate sweep of AdamW, Muon and NorMuon on the study
+# presets (same tokens, data order and seed within a seed), then `muonrun compare` of the best of each.
+#   bash scripts/study.sh OUT_DIR            (GPU host)
+# Knobs (environment): ADAMW_LRS, MUON_LRS, NORMUON_LRS (an empty list skips that optimizer), SEEDS
+# (train.seed values, each sweep point runs once per seed), STEPS (train.max_steps), GPUS (how many
+# GPUs), JOBS (how many runs at once, spread over the GPUs; more than GPUS shares a GPU between runs,
+# which keeps a big GPU busy while another run starts or evaluates), EXTRA (overrides for every run).
+# The best learning rate of each optimizer is the one with the lowest final eval loss averaged over
+# the seeds; the comparison shows the first seed's run at that learning rate.
 set -euo pipefail
 out=${1:?usage: study.sh OUT_DIR}
-adamw_lrs=${ADAMW_LRS:-5e-4 1e-3 2e-3 4e-3}
-muon_lrs=${MUON_LRS:-0.005 0.01 0.02 0.04}
+adamw_lrs=${ADAMW_LRS-1e-3 5e-4 2e-3}
+muon_lrs=${MUON_LRS-0.01 0.005 0.02}
+normuon_lrs=${NORMUON_LRS-0.01 0.005 0.02}
+seeds=${SEEDS:-42}
 steps=${STEPS:-1000}
 gpus=${GPUS:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')}
+jobs_at_once=${JOBS:-$gpus}
+extra=${EXTRA:-}
 mkdir -p "$out"
 
+# Interleaved (AdamW, Muon, NorMuon at each list position in turn), so runs that go together finish
+# together: list the learning rates you trust most first.
+read -ra adamw <<<"$adamw_lrs"
+read -ra muon <<<"$muon_lrs"
+read -ra normuon <<<"$normuon_lrs"
+longest=$(( ${#adamw[@]} > ${#muon[@]} ? ${#adamw[@]} : ${#muon[@]} ))
+longest=$(( longest > ${#normuon[@]} ? longest : ${#normuon[@]} ))
 jobs=()
-for lr in $adamw_lrs; do jobs+=("study-adamw adamw-lr$lr optimizer.lr=$lr"); done
-for lr in $muon_lrs; do jobs+=("study-muon muon-lr$lr optimizer.muon.lr=$lr"); done
+for seed in $seeds; do
+  for ((k = 0; k < longest; k++)); do
+    [[ -n ${adamw[k]:-} ]] && jobs+=("study-adamw adamw-lr${adamw[k]}-seed$seed optimizer.lr=${adamw[k]} train.seed=$seed")
+    [[ -n ${muon[k]:-} ]] && jobs+=("study-muon muon-lr${muon[k]}-seed$seed optimizer.muon.lr=${muon[k]} train.seed=$seed")
+    [[ -n ${normuon[k]:-} ]] && jobs+=("study-normuon normuon-lr${normuon[k]}-seed$seed optimizer.muon.lr=${normuon[k]} train.seed=$seed")
+  done
+done
 
 i=0
 for job in "${jobs[@]}"; do
-  read -r preset name override <<<"$job"
-  # One worker per GPU: the sweep points run side by side instead of one after another.
-  CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 -m muonrun pretrain "$preset" "$override" "name=$name" \
+  read -r preset name overrides <<<"$job"
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 -m muonrun pretrain "$preset" $overrides $extra "name=$name" \
     "output_dir=$out/$name" "train.max_steps=$steps" logging.console=plain --nproc-per-node 1 \
     >"$out/$name.log" 2>&1 &
   i=$((i + 1))
-  if ((i % gpus == 0)); then wait; fi
+  if ((i % jobs_at_once == 0)); then wait; fi
 done
 wait
 
-# Best of each optimizer by final eval loss, then the comparison plot and table.
+# Best learning rate of each optimizer by final eval loss (mean over seeds), then the comparison.
 best=$(python3 - "$out" <<'PY'
-import json, pathlib, sys
+import collections, json, pathlib, re, statistics, sys
 out = pathlib.Path(sys.argv[1])
+finals = collections.defaultdict(dict)  # (optimizer, lr) -> {seed: final eval loss}
+for metrics in sorted(out.glob("*/metrics.jsonl")):
+    match = re.fullmatch(r"(\w+)-lr(.+)-seed(\d+)", metrics.parent.name)
+    evals = [json.loads(line).get("eval_loss") for line in metrics.read_text().splitlines()]
+    evals = [e for e in evals if e is not None]
+    if match and evals:
+        finals[match[1], match[2]][int(match[3])] = evals[-1]
 best = {}
-for run in sorted(out.iterdir()):
-    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").is_file() else []
-    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-    if not evals:
-        continue
-    opt = run.name.split("-lr")[0]
-    print(f"{run.name}: final eval loss {evals[-1]:.4f}", file=sys.stderr)
-    if opt not in best or evals[-1] < best[opt][0]:
-        best[opt] = (evals[-1], run)
-print(" ".join(str(best[k][1]) for k in sorted(best)))
+for (opt, lr), by_seed in sorted(finals.items()):
+    mean = statistics.fmean(by_seed.values())
+    print(f"{opt} lr {lr}: final eval loss {mean:.4f} (seeds {sorted(by_seed)})", file=sys.stderr)
+    if opt not in best or mean < best[opt][0]:
+        best[opt] = (mean, out / f"{opt}-lr{lr}-seed{min(by_seed)}")
+print(" ".join(str(best[k][1]) for k in ("adamw", "muon", "normuon") if k in best))
 PY
 )
 # shellcheck disable=SC2086
