@@ -44,7 +44,7 @@ for job in "${jobs[@]}"; do
     "output_dir=$out/$name" "train.max_steps=$steps" logging.console=plain --nproc-per-node 1 \
     >"$out/$name.log" 2>&1 &
   i=$((i + 1))
-  if ((i % jobs_at_once == 0)); then wait; fi
+  while (($(jobs -rp | wc -l) >= jobs_at_once)); do wait -n; done  # a pool: the next starts when one ends
 done
 wait
 
