@@ -1,6 +1,6 @@
 """Checkpoints end to end on CPU (gloo): exact resume, crash mid-save, preemption, NaN, resharding,
 pretrained init, init_from and the Hugging Face export. Faults are injected with MUONRUN_FAULT
-(muonrun/faults.py). Two reference runs (AdamW and Muon, module fixtures) serve several tests.
+(muonrun/faults.py). Two reference runs (AdamW and NorMuon, module fixtures) serve several tests.
 
 Run: pytest tests/test_checkpoint.py -q     (the unit tests alone: -m "not slow")
 """
@@ -44,6 +44,8 @@ SMALL = [
     "logging.console=plain",
     f"train.max_steps={STEPS}",
 ]
+# NorMuon: Muon's optimizer state plus a per-row second moment, so one reference run covers both
+NORMUON = ("optimizer.name=muon", "optimizer.muon.variant=normuon")
 
 
 def muonrun(*args: str, fault: str | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -179,9 +181,9 @@ def adamw_ref(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def muon_ref(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("muon") / "run"
-    ok(pretrain(out, "optimizer.name=muon", "checkpoint.interval=0"))
+def normuon_ref(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("normuon") / "run"
+    ok(pretrain(out, *NORMUON, "checkpoint.interval=0"))
     return out
 
 
@@ -217,36 +219,66 @@ def test_crash_mid_save_then_preemption_then_exact_resume(adamw_ref, tmp_path):
 
 
 @pytest.mark.slow
-def test_muon_worker_crash_restarts_from_the_checkpoint_exactly(muon_ref, tmp_path):
+def test_muon_worker_crash_restarts_from_the_checkpoint_exactly(normuon_ref, tmp_path):
     out = tmp_path / "run"
-    text = ok(
-        pretrain(
-            out, "optimizer.name=muon", "checkpoint.interval=4", fault="kill@6", extra=("--max-restarts", "1")
-        )
-    )
+    text = ok(pretrain(out, *NORMUON, "checkpoint.interval=4", fault="kill@6", extra=("--max-restarts", "1")))
     # the launcher says who failed and where the restart resumes; the restarted workers resumed there
-    # (Muon momentum buffers included)
+    # (NorMuon's momentum buffers and second moments included)
     assert "worker rank 0 failed (killed by SIGKILL); restarting the workers (restart 1 of 1)" in text
     assert "resuming from" in text and "step-4 at step 4" in text
-    assert_same_losses(out, muon_ref, first=5)
+    assert_same_losses(out, normuon_ref, first=5)
+
+
+STILL = 1 - 2**-30
+"""A momentum and beta2 that hold Muon's EMAs still: each step moves an entry by 2**-30 of its gap to
+the new value, which fp32 rounds away or nearly."""
+
+
+def optimizer_state(checkpoint: Path, scratch: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's optimizer state as full tensors, by parameter name (DCP's own converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, scratch)
+    return torch.load(scratch, weights_only=True)["optim"]["state"]
 
 
 @pytest.mark.slow
-def test_resharded_resume_two_to_three_workers(muon_ref, tmp_path):
+def test_resharded_resume_two_to_three_workers(normuon_ref, tmp_path):
+    """NorMuon saved by 2 workers, resumed by 3. Hyperparameters come from the config, not the
+    checkpoint: the resumed run's Muon momentum and beta2 are STILL, so its two steps leave the momentum
+    buffers and second moments as the load restored them, and the step-10 checkpoint its 3 ranks write
+    holds the step-8 one's, row for row. A state restarted from zeros would hold about 2**-29 of them."""
     out = tmp_path / "run"
     text = ok(
         pretrain(
-            out, "optimizer.name=muon", f"checkpoint.resume_from={muon_ref}", "train.max_steps=10", nproc=3
+            out,
+            *NORMUON,
+            f"checkpoint.resume_from={normuon_ref}",
+            "train.max_steps=10",
+            f"optimizer.muon.momentum={STILL!r}",
+            f"optimizer.muon.beta2={STILL!r}",
+            nproc=3,
         )
     )
     assert "resharded" in text
-    got, ref = losses(out), losses(muon_ref)
+    got, ref = losses(out), losses(normuon_ref)
     assert sorted(got) == [9, 10]
     for step in (9, 10):
         loss = got[step][0]
         assert math.isfinite(loss) and abs(loss - ref[STEPS][0]) < 0.5, (loss, ref)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens_seen"] for r in rows if "loss" in r][-1] == STEPS * 2 * 4 * 64 + 2 * 3 * 4 * 64
+    saved = optimizer_state(normuon_ref / "checkpoints" / f"step-{STEPS}", tmp_path / "saved.pt")
+    resumed = optimizer_state(out / "checkpoints" / "step-10", tmp_path / "resumed.pt")
+    muon = sorted(name for name, state in saved.items() if "second_moment" in state)
+    assert len(muon) == 4 * 7, sorted(saved)  # the tiny preset's hidden matrices: 7 in each of 4 layers
+    for name in muon:
+        v, v_saved = resumed[name]["second_moment"], saved[name]["second_moment"]
+        assert v_saved.min() > 0, name  # every row has a second moment that zeros would not match
+        torch.testing.assert_close(v, v_saved, rtol=1e-6, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        buf, buf_saved = resumed[name]["momentum_buffer"], saved[name]["momentum_buffer"]
+        atol = 1e-6 * buf_saved.abs().max().item()
+        torch.testing.assert_close(buf, buf_saved, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.slow
