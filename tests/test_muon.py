@@ -4,6 +4,7 @@ all-to-all path on 1-4 gloo ranks (tests/dist/muon_worker.py)."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import math
 from pathlib import Path
@@ -273,6 +274,68 @@ def test_newton_schulz_orthogonalizes_and_polar_express_is_tighter():
     assert resolve_ns_coefficients((1.0, 2.0, 3.0), 2) == (((1.0, 2.0, 3.0), (1.0, 2.0, 3.0)), 1.0)
     with pytest.raises(ValueError):
         resolve_ns_coefficients("bogus", 5)
+
+
+def _script(name):
+    path = Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_polar_express_table_is_the_greedy_minimax_construction():
+    """scripts/polar_express_coefficients.py rebuilds the published 5-iteration table; its tables for
+    fewer iterations are that table's first rows with the safety factor taken off the last one."""
+    script = _script("polar_express_coefficients")
+    for row, published in zip(script.polar_express_coefficients(5), POLAR_EXPRESS_COEFFICIENTS, strict=True):
+        assert row == pytest.approx(published, rel=1e-13, abs=0)
+    s = script.SAFETY
+    for steps in (3, 4):
+        table = script.polar_express_coefficients(steps)
+        assert len(table) == steps
+        for row, published in zip(table[:-1], POLAR_EXPRESS_COEFFICIENTS, strict=False):
+            assert row == pytest.approx(published, rel=1e-13, abs=0)
+        a, b, c = POLAR_EXPRESS_COEFFICIENTS[steps - 1]
+        assert table[-1] == pytest.approx((a * s, b * s**3, c * s**5), rel=1e-13, abs=0)
+    # each polynomial is minimax on its interval: the error 1 - p equioscillates at 4 points
+    lo, hi = 0.05, 0.9
+    a, b, c = script.optimal_quintic(lo, hi)
+    x = torch.linspace(lo, hi, 100001, dtype=torch.float64)
+    err = 1 - (a * x + b * x**3 + c * x**5)
+    E = err.abs().max().item()
+    assert err[0].item() == pytest.approx(E, rel=1e-9) and err[-1].item() == pytest.approx(-E, rel=1e-9)
+    assert (err[1:] * err[:-1] < 0).sum() == 3  # sign changes between the 4 alternation points
+
+
+def test_fewer_polar_express_iterations_do_not_reach_the_default_quintic():
+    """On gradient-like matrices (power-law spectrum) Polar Express at 5 iterations is closer to the
+    polar factor than the default quintic at 5; at 4 iterations (cut or rebuilt table) it is farther,
+    so resolve_ns_coefficients keeps cutting the 5-iteration table. Exact arithmetic on the spectrum of
+    the presets' hidden sizes, and bf16/fp32 Newton–Schulz on a small matrix that agrees with it."""
+    script = _script("polar_express_coefficients")
+    gradient_like = _script("gram_ns_numerics").gradient_like
+    pe4, pe5 = script.polar_express_coefficients(4), POLAR_EXPRESS_COEFFICIENTS
+    schedules = {
+        "default5": ([DEFAULT_NS_COEFFICIENTS] * 5, 1.0),
+        "pe5": (pe5, 1.02),
+        "pe4": (pe4, 1.02),
+        "pe5_cut4": (pe5[:4], 1.02),
+    }
+    for m in (896, 1536):
+        d = {k: script.spectrum_distance(t, scale, m) for k, (t, scale) in schedules.items()}
+        assert d["pe5"] < d["default5"] < min(d["pe4"], d["pe5_cut4"]), (m, d)
+        assert d["pe4"] == pytest.approx(d["pe5_cut4"], rel=0.02)
+    G = gradient_like(128, 512, seed=0)
+    u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
+    polar = u @ vh
+    for dtype in (torch.float32, torch.bfloat16):
+        d = {}
+        for k, (table, scale) in schedules.items():
+            out = newton_schulz(G, len(table), table, norm_scale=scale, dtype=dtype).double()
+            d[k] = ((out - polar).norm() / polar.norm()).item()
+            assert d[k] == pytest.approx(script.spectrum_distance(table, scale, 128), abs=0.01), (dtype, k)
+        assert d["pe5"] < 0.6 * d["default5"] and d["default5"] < 0.6 * min(d["pe4"], d["pe5_cut4"]), d
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4), (2, 7, 3)])
