@@ -10,9 +10,11 @@ A run is labelled `optimizer (name)`; runs that share a name (one config launche
 labelled by their run folder instead: its name, or as many parent folders as tell them apart.
 
 "Target" is the worse run's final (smoothed) loss; each run's steps, tokens and time to first reach it
-say how much sooner the better run got there. Runs that logged telemetry (logging.max_attention_logit,
-train.qk_clip.tau, logging.optimizer_telemetry) get rows for it: the largest attention logit, the
-heads QK-clip rescaled, each optimizer's median update RMS.
+say how much sooner the better run got there. When every run evaluated, "eval target" is the worse
+run's final eval loss and each run's tokens to it are read at its first eval at or below it (as fine
+as train.eval_interval). Runs that logged telemetry (logging.max_attention_logit, train.qk_clip.tau,
+logging.optimizer_telemetry) get rows for it: the largest attention logit, the heads QK-clip
+rescaled, each optimizer's median update RMS.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ def load_run(path: str | Path) -> Run:
     config = _read_config(path)
     name = config.get("name") or (starts[-1]["name"] if starts else path.name)
     optimizer = (config.get("optimizer") or {}).get("name") or (starts[-1]["optimizer"] if starts else "?")
+    variant = ((config.get("optimizer") or {}).get("muon") or {}).get("variant")
+    if optimizer == "muon" and variant not in (None, "muon"):
+        optimizer = str(variant)  # e.g. normuon: the legend names the variant
 
     train: list[dict] = []
     evals: list[dict] = []
@@ -181,6 +186,12 @@ def summarize(runs: list[Run], smoothing: float) -> tuple[list[dict], float]:
     worst_tokens = max(rows, key=lambda r: r["final_loss_smoothed"])["tokens_to_target"]
     for row in rows:
         row["token_speedup"] = worst_tokens / row["tokens_to_target"] if row["tokens_to_target"] else None
+    if all(run.evals for run in runs):  # the same question asked of the held-out loss
+        eval_target = max(run.evals[-1]["eval_loss"] for run in runs)
+        for row, run in zip(rows, runs, strict=True):
+            hit = next(r for r in run.evals if r["eval_loss"] <= eval_target)
+            row["eval_target"] = eval_target
+            row["tokens_to_eval_target"] = hit.get("tokens_seen")
     return rows, target
 
 
@@ -223,6 +234,8 @@ def table_metrics(rows: list[dict]) -> list[tuple[str, str, str]]:
         for k, title, fmt in [
             ("max_attention_logit", "max attention logit", "{:.1f}"),
             ("qk_clipped_heads", "heads QK-clipped", "{:,.0f}"),
+            ("eval_target", "eval target", "{:.4f}"),
+            ("tokens_to_eval_target", "tokens to eval target", "{:,}"),
         ]
         if k in present
     ]

@@ -251,3 +251,29 @@ def test_missing_matplotlib_is_a_user_error(two_runs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib... raises ImportError
     with pytest.raises(UserError, match=r"pip install 'muonrun\[plot\]'"):
         compare(list(two_runs), tmp_path / "x.png")
+
+
+def test_eval_target_when_every_run_evaluated(tmp_path, two_runs):
+    """With evals in every run, the worse final eval loss is a second target, read at the evals; a
+    NorMuon run is labelled by its variant."""
+    evals = [
+        {"step": 20, "tokens_seen": 2000, "eval_loss": 2.9, "time": 2041.0},
+        {"step": 40, "tokens_seen": 4000, "eval_loss": 2.0, "time": 2081.0},
+    ]
+    rows = [json.loads(line) for line in (two_runs[1] / "metrics.jsonl").read_text().splitlines()]
+    nor = write_run(
+        tmp_path / "nor",
+        rows + evals,
+        config="name: nor\noptimizer:\n  name: muon\n  muon:\n    variant: normuon\n",
+    )
+    assert load_run(nor).label == "normuon (nor)"
+    (a, b), _ = summarize([load_run(two_runs[0]), load_run(nor)], smoothing=0.0)
+    assert a["eval_target"] == b["eval_target"] == 2.4  # a's final eval loss is the worse one
+    assert (a["tokens_to_eval_target"], b["tokens_to_eval_target"]) == (4000, 4000)  # b: 2.9 > 2.4 at 2000
+    nor_early = write_run(tmp_path / "early", rows + [{**evals[0], "eval_loss": 2.3}, evals[1]])
+    (_, early), _ = summarize([load_run(two_runs[0]), load_run(nor_early)], smoothing=0.0)
+    assert early["tokens_to_eval_target"] == 2000
+    md = markdown_table(*summarize([load_run(two_runs[0]), load_run(nor_early)], 0.0), 0.0)
+    assert "| tokens to eval target | 4,000 | 2,000 |" in md
+    rows_without, _ = summarize([load_run(p) for p in two_runs], smoothing=0.0)
+    assert all("eval_target" not in row for row in rows_without)  # b never evaluated
