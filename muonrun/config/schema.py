@@ -268,8 +268,9 @@ class ParallelConfig:
     """Run the decoder's large matmuls in float8 (torchao; `pip install 'muonrun[float8]'`, a GPU of
     compute capability 8.9+): `tensorwise` or `rowwise` scaling. Weights, optimizer state and Muon's
     Newton–Schulz are unchanged. Which Linear layers it serves follows torchao's size rule (small ones
-    lose more to the casts than they gain; the LM head never): `--dry-run` lists them. See
-    muonrun/float8.py and docs/performance.md."""
+    lose more to the casts than they gain; the LM head never): `--dry-run` lists them. The gain grows
+    with the matmuls: a larger `train.micro_batch_size` gains more (docs/performance.md). See
+    muonrun/float8.py."""
 
     def __post_init__(self) -> None:
         for key, value in (
