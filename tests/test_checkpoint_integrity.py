@@ -27,10 +27,13 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory) -> Path:
-    """An uninterrupted 2-worker run with checkpoints at steps 2, 4, 6 and 8."""
+    """An uninterrupted 2-worker run with checkpoints at steps 2, 4, 6 and 8: asynchronous saves, so the
+    checks below also cover manifests of files hashed behind training."""
     out = tmp_path_factory.mktemp("integrity") / "run"
-    ok(pretrain(out, "checkpoint.interval=2", "checkpoint.keep_last=4"))
+    text = ok(pretrain(out, "checkpoint.interval=2", "checkpoint.keep_last=4", "checkpoint.async_save=true"))
     assert steps_of(out) == [2, 4, 6, 8]
+    assert all(f"step-{s} saved (written and hashed in the background" in text for s in (2, 4, 6)), text
+    assert "step-8 saved (written in" in text  # the last save is synchronous (the run ends right after)
     return out
 
 

@@ -3,9 +3,9 @@ absent, and loads the newest one that verifies. See docs/checkpoints.md.
 
     muonrun pretrain tiny checkpoint.interval=50     # saves step-50, step-100, ...; rerun to resume
 
-Save: every rank writes into `step-N.tmp/` (DCP for the sharded states, one `rankR.pt` for its own);
-after a barrier each rank hashes the files it wrote, rank 0 writes the manifest (`muonrun.json`) and
-renames the folder to `step-N/`. The rename is atomic, so a crash at any point leaves at most a `.tmp`
+Save: every rank writes into `step-N.tmp/` (DCP for the sharded states, one `rankR.pt` for its own)
+and hashes the files it wrote (with checkpoint.async_save, in the background after the write); after
+a barrier rank 0 writes the manifest (`muonrun.json`) and renames the folder to `step-N/`. The rename is atomic, so a crash at any point leaves at most a `.tmp`
 folder, which loading ignores and the next run deletes. Old checkpoints are pruned only once
 `keep_last` intact newer ones exist.
 
@@ -27,6 +27,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -102,6 +103,9 @@ class Checkpointer:
         self._published: int | None = None
         self._stopping = False
         self._pending = None  # (step, tmp, final, tokens_seen, future) of an async save
+        # An async save's files are hashed on this thread once written, so the training thread only
+        # waits for the manifest and the rename.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonrun-hash")
         self._damaged: set[Path] = set()  # found at load; set aside if the run saves their step again
         self.timings = {"write_s": 0.0, "checksum_s": 0.0}  # of the last published save
         # Async saves run their collectives in a background thread: give them their own gloo group so
@@ -160,15 +164,32 @@ class Checkpointer:
             # Staging copies the state to CPU memory before async_save returns; the write runs behind
             # the next training steps and is published at the next save (or at the end).
             response = dcp.async_save(state, storage_writer=storage_writer(tmp), process_group=self._pg)
-            future = getattr(response, "upload_completion", response)
-            self._pending = (step, tmp, final, tokens_seen, future)
+            written = getattr(response, "upload_completion", response)
+            self._pending = (
+                step,
+                tmp,
+                final,
+                tokens_seen,
+                self._hasher.submit(self._write_then_hash, written, tmp),
+            )
             faults.during_save(step, self.dist.rank)
             return final
         started = time.perf_counter()
         dcp.save(state, storage_writer=storage_writer(tmp))
         faults.during_save(step, self.dist.rank)
-        self._publish(step, tmp, final, tokens_seen, time.perf_counter() - started)
+        written = time.perf_counter() - started
+        dist.barrier()  # every rank's files are written and closed
+        self._publish(step, tmp, final, tokens_seen, written, self._hash_own(tmp))
         return final
+
+    def _write_then_hash(self, written: Future, tmp: Path) -> tuple[dict, float]:
+        """Background job of an async save: wait for DCP's write, then hash this rank's files."""
+        written.result()
+        return self._hash_own(tmp)
+
+    def _hash_own(self, tmp: Path) -> tuple[dict, float]:
+        started = time.perf_counter()
+        return hash_files(self._own_files(tmp)), time.perf_counter() - started
 
     def _finish_pending(self) -> None:
         if self._pending is None:
@@ -176,8 +197,9 @@ class Checkpointer:
         step, tmp, final, tokens_seen, future = self._pending
         self._pending = None
         started = time.perf_counter()
-        future.result()
-        self._publish(step, tmp, final, tokens_seen, time.perf_counter() - started)
+        own = future.result()
+        dist.barrier()  # every rank's files are written, closed and hashed
+        self._publish(step, tmp, final, tokens_seen, time.perf_counter() - started, own, background=True)
 
     def _own_files(self, tmp: Path) -> list[Path]:
         """The files this rank wrote (DCP names its files `__RANK_THREAD.distcp`); rank 0 also the metadata."""
@@ -185,12 +207,22 @@ class Checkpointer:
         mine = [tmp / f"rank{r}.pt", *sorted(tmp.glob(f"__{r}_*.distcp"))]
         return [*mine, tmp / ".metadata"] if self.dist.is_main else mine
 
-    def _publish(self, step: int, tmp: Path, final: Path, tokens_seen: int, seconds: float) -> None:
-        dist.barrier()  # every rank's files are written and closed
-        started = time.perf_counter()
+    def _publish(
+        self,
+        step: int,
+        tmp: Path,
+        final: Path,
+        tokens_seen: int,
+        seconds: float,
+        own: tuple[dict, float],
+        background: bool = False,
+    ) -> None:
+        """Publish step-N.tmp as step-N (collective, after a barrier): `seconds` is how long the training
+        thread waited for the write, `own` this rank's file hashes and how long they took, `background`
+        whether both ran behind training (an async save)."""
         hashes = [None] * self.dist.world_size
-        dist.all_gather_object(hashes, hash_files(self._own_files(tmp)))
-        hash_seconds = time.perf_counter() - started
+        dist.all_gather_object(hashes, own[0])
+        hash_seconds = own[1]
         self.timings = {"write_s": seconds, "checksum_s": hash_seconds}
         if self.dist.is_main:
             self._check_shared(tmp)
@@ -226,7 +258,8 @@ class Checkpointer:
             if replaced is not None:
                 shutil.rmtree(replaced, ignore_errors=True)
             prune(self.root, self.cfg.keep_last, self._damaged)
-            _log(f"checkpoint {final} saved ({seconds:.1f}s, checksums {hash_seconds:.1f}s)")
+            how = "written and hashed in the background" if background else f"written in {seconds:.1f}s"
+            _log(f"checkpoint {final} saved ({how}; checksums {hash_seconds:.1f}s)")
         dist.barrier()
         self._published = step
 
@@ -393,6 +426,7 @@ class Checkpointer:
             with contextlib.suppress(Exception):
                 self._pending[-1].result(timeout=600)
             self._pending = None
+        self._hasher.shutdown(wait=False)
         self.flag.restore()
 
 
