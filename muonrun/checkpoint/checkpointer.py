@@ -5,8 +5,9 @@ absent, and loads the newest one that verifies. See docs/checkpoints.md.
 
 Save: every rank writes into `step-N.tmp/` (DCP for the sharded states, one `rankR.pt` for its own)
 and hashes the files it wrote (with checkpoint.async_save, in the background after the write); after
-a barrier rank 0 writes the manifest (`muonrun.json`) and renames the folder to `step-N/`. The rename is atomic, so a crash at any point leaves at most a `.tmp`
-folder, which loading ignores and the next run deletes. Old checkpoints are pruned only once
+a barrier rank 0 writes the manifest (`muonrun.json`) and renames the folder to `step-N/`. The rename
+is atomic, so a crash at any point leaves at most a `.tmp` folder, which loading ignores and the next
+run deletes. Old checkpoints are pruned only once
 `keep_last` intact newer ones exist.
 
 Load: `checkpoint.resume_from`, else the newest complete checkpoint of output_dir, else
