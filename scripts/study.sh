@@ -7,7 +7,7 @@
 # GPUs), JOBS (how many runs at once, spread over the GPUs; more than GPUS shares a GPU between runs,
 # which keeps a big GPU busy while another run starts or evaluates), EXTRA (overrides for every run).
 # The best learning rate of each optimizer is the one with the lowest final eval loss averaged over
-# the seeds; the comparison shows the first seed's run at that learning rate.
+# the seeds; the comparison shows the lowest seed's run at that learning rate.
 set -euo pipefail
 out=${1:?usage: study.sh OUT_DIR}
 adamw_lrs=${ADAMW_LRS-1e-3 5e-4 2e-3}
