@@ -19,6 +19,7 @@ gpus=${GPUS:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count())
 jobs_at_once=${JOBS:-$gpus}
 extra=${EXTRA:-}
 mkdir -p "$out"
+rm -f "$out/failed.txt"
 
 # Interleaved (AdamW, Muon, NorMuon at each list position in turn), so runs that go together finish
 # together: list the learning rates you trust most first.
@@ -37,16 +38,21 @@ for seed in $seeds; do
 done
 
 i=0
+failed=()
 for job in "${jobs[@]}"; do
   read -r preset name overrides <<<"$job"
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 -m muonrun pretrain "$preset" $overrides $extra "name=$name" \
     "output_dir=$out/$name" "train.max_steps=$steps" logging.console=plain --nproc-per-node 1 \
-    >"$out/$name.log" 2>&1 &
+    >"$out/$name.log" 2>&1 || echo "$name" >>"$out/failed.txt" &
   i=$((i + 1))
-  while (($(jobs -rp | wc -l) >= jobs_at_once)); do wait -n; done  # a pool: the next starts when one ends
+  while (($(jobs -rp | wc -l) >= jobs_at_once)); do wait -n || true; done  # a pool: the next starts when one ends
 done
 wait
+if [[ -s $out/failed.txt ]]; then
+  mapfile -t failed <"$out/failed.txt"
+  for name in "${failed[@]}"; do echo "study.sh: run $name failed; its log: $out/$name.log" >&2; done
+fi
 
 # Best learning rate of each optimizer by final eval loss (mean over seeds), then the comparison.
 best=$(python3 - "$out" <<'PY'
@@ -70,3 +76,5 @@ PY
 )
 # shellcheck disable=SC2086
 python3 -m muonrun compare $best --out "$out/compare.png"
+# A failed run is not part of the comparison: say so in the exit status too.
+if ((${#failed[@]})); then exit 1; fi
