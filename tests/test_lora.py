@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint import losses
 from typer.testing import CliRunner
 
 from muonrun.cli import app
@@ -46,15 +47,6 @@ def text_file(path: Path) -> Path:
 def invoke(*args: str) -> tuple[int, str]:
     result = runner.invoke(app, list(args))
     return result.exit_code, " ".join(result.output.split())
-
-
-def losses(run: Path) -> dict[int, list[float]]:
-    out: dict[int, list[float]] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            out.setdefault(row["step"], []).append(row["loss"])
-    return out
 
 
 @pytest.fixture(scope="module")

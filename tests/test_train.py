@@ -5,21 +5,12 @@ Process start-up dominates on a 2-core machine, so each launch serves several as
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_checkpoint import muonrun
 
 pytestmark = pytest.mark.slow
-
-
-def muonrun(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "muonrun", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
 
 
 def rows(run_dir: Path) -> list[dict]:
