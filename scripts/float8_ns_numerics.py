@@ -59,12 +59,11 @@ fewer bits unless ``use_fast_accum=False``, which the GPU measurement has to cho
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from gram_ns_numerics import gradient_like  # scripts/: on the path when a script runs
 from torch import Tensor
 
 from muonrun.optim.newton_schulz import (
@@ -85,14 +84,6 @@ ULP_DRAWS = 3  # one-ulp perturbations of the input per shape, seed and coeffici
 COEFFICIENT_SETS = (("default quintic", DEFAULT_NS_COEFFICIENTS), ("polar express", "polar_express"))
 SCALINGS = ("tensorwise", "rowwise")
 WITHIN = 0.02  # "nearly the same distance": within 2% of k = 0
-
-
-def _gradient_like():
-    path = Path(__file__).with_name("gram_ns_numerics.py")
-    spec = importlib.util.spec_from_file_location("gram_ns_numerics", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.gradient_like
 
 
 def to_float8(x: Tensor, dim: int | None) -> tuple[Tensor, Tensor]:
@@ -172,7 +163,6 @@ def measure(out: Tensor, polar: Tensor, reference: Tensor | None) -> dict:
 
 def compare(cases=CASES) -> tuple[list[dict], list[dict]]:
     """Every coefficient set, scaling and k on gradient-like matrices; and the one-ulp runs at k = 0."""
-    gradient_like = _gradient_like()
     rows, noise = [], []
     for (m, n), seeds in cases.items():
         for seed in seeds:

@@ -27,12 +27,11 @@ negligible), so fewer iterations do not save FLOPs at equal error::
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
+from gram_ns_numerics import gradient_like  # scripts/: on the path when a script runs
 
 from muonrun.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
@@ -128,20 +127,11 @@ def schedules() -> list[tuple[str, int, object, float]]:
     ]
 
 
-def _gradient_like():
-    path = Path(__file__).with_name("gram_ns_numerics.py")
-    spec = importlib.util.spec_from_file_location("gram_ns_numerics", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.gradient_like
-
-
 def compare(
     shapes=((896, 4864), (1536, 8960), (896, 896), (128, 896)), seeds=(0, 1, 2), dtype=torch.bfloat16
 ) -> list[dict]:
     """Every schedule on gradient-like matrices: orthogonality residual, extreme singular values and
     ``||O - U V^T||_F / ||U V^T||_F`` (polar factor by fp64 SVD); one row per schedule, shape, seed."""
-    gradient_like = _gradient_like()
     rows = []
     for m, n in shapes:
         for seed in seeds:

@@ -4,9 +4,10 @@ all-to-all path on 1-4 gloo ranks (tests/dist/muon_worker.py)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
+import importlib
 import itertools
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,11 +278,11 @@ def test_newton_schulz_orthogonalizes_and_polar_express_is_tighter():
 
 
 def _script(name):
-    path = Path(__file__).parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A numerics script of scripts/ as a module (they import each other by name, as when run)."""
+    scripts = str(Path(__file__).parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module(name)
 
 
 def test_polar_express_table_is_the_greedy_minimax_construction():
