@@ -1,4 +1,4 @@
-"""Shared test set-up: GPU tests are skipped without a GPU; every test runs offline."""
+"""Shared test set-up: GPU tests are skipped without a GPU; every test runs offline; `one_thread`."""
 
 import os
 
@@ -18,3 +18,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: intra-op threads only add overhead (and stall on a busy 2-core CI machine)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

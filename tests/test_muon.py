@@ -33,13 +33,7 @@ RTOL = 0.02  # of how far the reference moved: bf16 Newton–Schulz rounding may
 RTOL_FP32 = 1e-5  # fp32 Newton–Schulz: the same sums in other orders
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: intra-op threads only add overhead (and stall on a busy 2-core CI machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def make_params(seed=0, shapes=SHAPES):

@@ -35,12 +35,7 @@ HF = dict(
 REFERENCE = "muonrun_test_materialized"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def materialized_max_logit(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
