@@ -1,7 +1,8 @@
 """Start the workers: one in-process worker, or torch.distributed.run's elastic agent (in-process API).
 
-The config travels to each worker as resolved YAML. Worker exit codes: 2 for a user mistake found
-inside a worker (its message is already printed), anything else for a crash.
+The config travels to each worker as resolved YAML. A worker that finds a user mistake (exit code 2)
+or a non-finite step (3) leaves its one-paragraph message in the launcher's error folder, and the
+launcher exits with that code and prints the message once; anything else is a crash (exit code 1).
 """
 
 from __future__ import annotations
@@ -297,14 +298,9 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
         with _reporting_restarts(output_dir):
             elastic_launch(lc, worker_entry)(config_yaml)
     except ChildFailedError as e:
-        # A user mistake or a non-finite step found by any rank (the others may then have crashed in
-        # a collective with it): its one-paragraph message, which the worker left in the error folder.
-        for code in (USER_ERROR_EXIT, NON_FINITE_EXIT):
-            if any(f.exitcode == code for f in e.failures.values()):
-                messages = [p.read_text() for p in sorted(Path(os.environ[ERROR_DIR_ENV]).glob("rank*.txt"))]
-                for message in dict.fromkeys(messages):
-                    print(f"muonrun: {message}", file=sys.stderr, flush=True)
-                return code
+        reported = report_worker_errors(Path(error_dir.name))
+        if reported is not None:
+            return reported
         rank, failure = e.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         print(
@@ -317,6 +313,22 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
         os.environ.pop(ERROR_DIR_ENV, None)
         error_dir.cleanup()
     return 0
+
+
+def report_worker_errors(folder: Path) -> int | None:
+    """After a failed job: print the user mistakes and non-finite steps the workers reported (each
+    distinct message once) and return the exit code they call for; None if no worker reported one.
+
+    The reports decide, not the workers' exit statuses: the other ranks may have crashed in a collective
+    with the reporting one, and a reporting worker can still die after its report (a C++ thread aborting
+    in interpreter teardown turns its exit code 3 into -6)."""
+    reports = sorted(folder.glob("exit*-rank*.txt"))
+    if not reports:
+        return None
+    for message in dict.fromkeys(p.read_text() for p in reports):
+        print(f"muonrun: {message}", file=sys.stderr, flush=True)
+    codes = {int(p.name.removeprefix("exit").split("-")[0]) for p in reports}
+    return USER_ERROR_EXIT if USER_ERROR_EXIT in codes else NON_FINITE_EXIT
 
 
 def _announce_node(plan: LaunchPlan, endpoint: str) -> None:
@@ -359,9 +371,10 @@ def worker_entry(config_yaml: str) -> None:
         record(run_worker)(config_yaml)
     except (UserError, NonFiniteError) as e:
         # The launcher prints it (once, whichever ranks found it); without a launcher, rank 0 does.
+        code = USER_ERROR_EXIT if isinstance(e, UserError) else NON_FINITE_EXIT
         folder = os.environ.get(ERROR_DIR_ENV)
         if folder:
-            (Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt").write_text(str(e))
+            (Path(folder) / f"exit{code}-rank{os.environ.get('RANK', '0')}.txt").write_text(str(e))
         elif os.environ.get("RANK", "0") == "0":
             print(f"muonrun: {e}", file=sys.stderr, flush=True)
-        sys.exit(USER_ERROR_EXIT if isinstance(e, UserError) else NON_FINITE_EXIT)
+        sys.exit(code)

@@ -294,6 +294,21 @@ def test_nan_stops_before_the_update_and_keeps_the_checkpoint(adamw_ref, tmp_pat
     assert max(losses(out)) == 10 and math.isnan(losses(out)[10][-1])
 
 
+def test_the_launcher_exits_by_what_workers_reported_not_by_their_exit_status(tmp_path, capsys):
+    """A rank that reported a non-finite step may still die in interpreter teardown (-6), its peers in a
+    collective with it: the reports alone give the exit code, and each distinct message is printed once."""
+    from muonrun.launch import NON_FINITE_EXIT, USER_ERROR_EXIT, report_worker_errors
+
+    assert report_worker_errors(tmp_path) is None  # a plain crash: the launcher reports the first failure
+    for rank in (0, 1):
+        (tmp_path / f"exit{NON_FINITE_EXIT}-rank{rank}.txt").write_text("Loss is not finite at step 10.")
+    assert report_worker_errors(tmp_path) == NON_FINITE_EXIT
+    assert capsys.readouterr().err == "muonrun: Loss is not finite at step 10.\n"
+    (tmp_path / f"exit{USER_ERROR_EXIT}-rank1.txt").write_text("data.path 'x' does not exist.")
+    assert report_worker_errors(tmp_path) == USER_ERROR_EXIT
+    assert capsys.readouterr().err.count("muonrun: ") == 2
+
+
 @pytest.mark.slow
 def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
     from transformers import AutoModelForCausalLM
