@@ -23,7 +23,8 @@ from muonrun.errors import UserError
 
 USER_ERROR_EXIT = 2
 NON_FINITE_EXIT = 3
-ERROR_DIR_ENV = "MUONRUN_ERROR_DIR"  # where workers leave a user mistake's message for the launcher
+ERROR_DIR_ENV = "MUONRUN_ERROR_DIR"  # where workers report a user mistake or a non-finite step
+REPORTS = "exit*-rank*.txt"  # a report's name: the exit code it calls for and the reporting rank
 
 
 @dataclass
@@ -198,10 +199,14 @@ def _interrupt_workers(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def _reporting_restarts(output_dir: Path):
+def _reporting_restarts(output_dir: Path, error_dir: Path):
     """While the elastic agent runs: before it restarts the workers (--max-restarts), say which rank
     failed, how, and which checkpoint the restart resumes from. (The agent's own log says it only at
-    INFO level, without the reason, and muonrun silences the agent's logging.)"""
+    INFO level, without the reason, and muonrun silences the agent's logging.)
+
+    A failure a worker reported (a user mistake, a non-finite step) is not restarted: resuming is exact,
+    so the restart would meet it again at the same step."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     from muonrun.checkpoint import complete_checkpoints
@@ -210,6 +215,8 @@ def _reporting_restarts(output_dir: Path):
 
     def monitored(agent, group):
         agent._muonrun_last = result = monitor(agent, group)
+        if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY} and any(error_dir.glob(REPORTS)):
+            agent._remaining_restarts = 0  # the agent then stops the workers and the job fails
         return result
 
     def restarting(agent, group):
@@ -295,7 +302,7 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
     error_dir = tempfile.TemporaryDirectory(prefix="muonrun-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir.name  # the spawned workers inherit it
     try:
-        with _reporting_restarts(output_dir):
+        with _reporting_restarts(output_dir, Path(error_dir.name)):
             elastic_launch(lc, worker_entry)(config_yaml)
     except ChildFailedError as e:
         reported = report_worker_errors(Path(error_dir.name))
@@ -322,7 +329,7 @@ def report_worker_errors(folder: Path) -> int | None:
     The reports decide, not the workers' exit statuses: the other ranks may have crashed in a collective
     with the reporting one, and a reporting worker can still die after its report (a C++ thread aborting
     in interpreter teardown turns its exit code 3 into -6)."""
-    reports = sorted(folder.glob("exit*-rank*.txt"))
+    reports = sorted(folder.glob(REPORTS))
     if not reports:
         return None
     for message in dict.fromkeys(p.read_text() for p in reports):

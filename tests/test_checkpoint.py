@@ -286,8 +286,11 @@ def test_nan_stops_before_the_update_and_keeps_the_checkpoint(adamw_ref, tmp_pat
     out = tmp_path / "run"
     shutil.copytree(adamw_ref, out)
     before = tree(out / "checkpoints")
-    result = pretrain(out, "train.max_steps=12", fault="nan@10:r1")  # NaN on rank 1 only
+    # NaN on rank 1 only. Not restarted: a restart would resume exactly and meet it again (the fault
+    # fires in the first attempt only, so a restart would pass here and exit 0).
+    result = pretrain(out, "train.max_steps=12", fault="nan@10:r1", extra=("--max-restarts", "1"))
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "restarting" not in result.stderr
     assert "not finite at step 10" in result.stderr and "nothing from that step on was saved" in result.stderr
     assert tree(out / "checkpoints") == before  # the last good checkpoint, untouched
     # The agreement is read one step late: step 10's row (its loss is the ranks' mean, NaN) is the last.
