@@ -29,35 +29,46 @@ class Agreed:
     """What every rank agreed about one step."""
 
     step: int
-    loss_bad: bool
+    bad_loss_rank: int | None  # the lowest rank whose loss is not finite, if any
     norm_bad: bool
     stop: bool
     writing: bool
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
+    grad_norm: torch.Tensor  # the global norm: the same on every rank
+
+    @property
+    def loss_bad(self) -> bool:
+        return self.bad_loss_rank is not None
 
 
 class StepAgreement:
-    def __init__(self):
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
         self._pending: tuple | None = None
 
     def launch(
         self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, local_flags: list[float]
     ) -> None:
-        """Queue step's agreement; `local_flags` are this rank's [stop requested, async write running]."""
+        """Queue step's agreement; `local_flags` are this rank's [stop requested, async write running].
+        A non-finite loss enters as world_size - rank, so the MAX names the lowest rank that has one."""
         local = torch.cat(
             [
-                torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm).to(loss.device)]).float(),
+                torch.stack(
+                    [
+                        (~torch.isfinite(loss)).float() * (self.world_size - self.rank),
+                        (~torch.isfinite(grad_norm)).to(loss.device).float(),
+                    ]
+                ),
                 to_device(local_flags, loss.device),
             ]
         )
-        self._pending = (step, HostCopy(all_reduce_max(local)), loss, grad_norm)
+        self._pending = (step, HostCopy(all_reduce_max(local)), grad_norm)
 
     def settle(self) -> Agreed | None:
         """The pending agreement (waits only for its own collective), or None if nothing is pending."""
         if self._pending is None:
             return None
-        step, agreed, loss, grad_norm = self._pending
+        step, agreed, grad_norm = self._pending
         self._pending = None
-        loss_bad, norm_bad, stop, writing = (v > 0 for v in agreed.values())
-        return Agreed(step, loss_bad, norm_bad, stop, writing, loss, grad_norm)
+        bad_loss, norm_bad, stop, writing = agreed.values()
+        bad_loss_rank = self.world_size - round(bad_loss) if bad_loss > 0 else None
+        return Agreed(step, bad_loss_rank, norm_bad > 0, stop > 0, writing > 0, grad_norm)

@@ -90,7 +90,7 @@ def pretrain(
     overrides: OverridesArg = None,
     nproc_per_node: Annotated[
         int | None,
-        typer.Option(help="Workers per node (default: every local GPU, else launch.nproc_per_node)."),
+        typer.Option(help="Workers per node (default: launch.nproc_per_node, else every local GPU, else 1)."),
     ] = None,
     nnodes: Annotated[int | None, typer.Option(help="Number of nodes (under srun: SLURM_NNODES).")] = None,
     node_rank: Annotated[

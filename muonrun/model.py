@@ -71,13 +71,23 @@ def check_hf_keys(extra: dict, config_class: type, m: ModelConfig) -> None:
         kept = set(config_class(**extra).to_dict())
     except Exception:  # invalid values: reported with the key when the real config is built
         return
-    default = set(config_class().to_dict())
+    default_config = config_class().to_dict()
+    default = set(default_config)
     unknown = [k for k in extra if k in kept and k not in default and k not in m.hf_extra_keys]
     if unknown:
         import difflib
 
         key = unknown[0]
-        close = difflib.get_close_matches(key, sorted(default), n=2)
+        # Suggestions include the keys of nested settings that the config takes at the top level too
+        # (`rope_theta` goes into `rope_parameters`): those it consumes rather than keeps.
+        nested = {
+            k
+            for v in default_config.values()
+            if isinstance(v, dict)
+            for k, value in v.items()
+            if isinstance(k, str) and k not in config_class(**{k: value}).to_dict()
+        }
+        close = difflib.get_close_matches(key, sorted(default | nested), n=2)
         hint = f" Did you mean {' or '.join(repr('model.hf.' + c) for c in close)}?" if close else ""
         raise UserError(
             f"Config key 'model.hf.{key}' is not a setting of the {config_class.model_type} config.{hint} "

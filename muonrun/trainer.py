@@ -114,7 +114,7 @@ class Trainer:
             else None
         )
         self.state = TrainState()
-        self.agreement = StepAgreement()
+        self.agreement = StepAgreement(self.dist.rank, self.dist.world_size)
         self.optimizer_time: Callable[[], float] | None = None
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
 
@@ -219,11 +219,26 @@ class Trainer:
         if agreed is None:
             return
         if agreed.loss_bad or agreed.norm_bad:
+            # The same words on every rank (the launcher prints each distinct report once).
+            found = []
+            if agreed.loss_bad:
+                where = (
+                    f" on rank {agreed.bad_loss_rank} (the lowest such rank)"
+                    if self.dist.world_size > 1
+                    else ""
+                )
+                found.append(f"loss not finite{where}")
+            if agreed.norm_bad:
+                found.append(f"gradient norm {agreed.grad_norm.item()}")
+            latest = self.checkpointer.published_step
             raise NonFiniteError(
-                f"Loss or gradient norm is not finite at step {agreed.step} (grad norm "
-                f"{agreed.grad_norm.item()}, loss {agreed.loss.item():.4f} on rank {self.dist.rank}); "
-                "stopped, and nothing from that step on was saved. The last checkpoint is intact: "
-                "lower the learning rate or raise warmup, then resume."
+                f"Loss or gradient norm is not finite at step {agreed.step} ({', '.join(found)}); stopped, "
+                "and nothing from that step on was saved. Lower the learning rate or raise warmup, then "
+                + (
+                    f"rerun the command: it resumes from the last checkpoint, step-{latest}, which is intact."
+                    if latest is not None
+                    else "start again (no checkpoint was saved before that step)."
+                )
             )
         self.checkpointer.agree(agreed.stop, agreed.writing)
 

@@ -25,3 +25,15 @@ def test_settle_returns_what_was_launched_once(loss, grad_norm, flags, expected)
     assert agreed.step == 7
     assert (agreed.loss_bad, agreed.norm_bad, agreed.stop, agreed.writing) == expected
     assert agreement.settle() is None  # read once
+
+
+@pytest.mark.parametrize("rank, world_size", [(0, 1), (2, 4), (3, 4)])
+def test_a_non_finite_loss_names_its_rank(rank, world_size):
+    """A non-finite loss enters the MAX as world_size - rank: the agreed value names the lowest rank
+    with one (one process here, so that is this rank), and every rank words its error the same."""
+    agreement = StepAgreement(rank, world_size)
+    agreement.launch(3, torch.tensor(math.inf), torch.tensor(1.0), [0.0, 0.0])
+    agreed = agreement.settle()
+    assert agreed.loss_bad and agreed.bad_loss_rank == rank and not agreed.norm_bad
+    agreement.launch(4, torch.tensor(1.0), torch.tensor(1.0), [0.0, 0.0])
+    assert agreement.settle().bad_loss_rank is None

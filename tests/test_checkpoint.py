@@ -291,7 +291,12 @@ def test_nan_stops_before_the_update_and_keeps_the_checkpoint(adamw_ref, tmp_pat
     result = pretrain(out, "train.max_steps=12", fault="nan@10:r1", extra=("--max-restarts", "1"))
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-3000:]
     assert "restarting" not in result.stderr
-    assert "not finite at step 10" in result.stderr and "nothing from that step on was saved" in result.stderr
+    # one report, the same on both ranks, naming the rank and the checkpoint a rerun resumes from
+    assert result.stderr.count("not finite at step 10") == 1, result.stderr
+    assert "loss not finite on rank 1 (the lowest such rank)" in result.stderr
+    assert (
+        "nothing from that step on was saved" in result.stderr and "step-8, which is intact" in result.stderr
+    )
     assert tree(out / "checkpoints") == before  # the last good checkpoint, untouched
     # The agreement is read one step late: step 10's row (its loss is the ranks' mean, NaN) is the last.
     assert max(losses(out)) == 10 and math.isnan(losses(out)[10][-1])

@@ -102,6 +102,8 @@ def test_dry_run_plans_a_large_world_and_counts_qwen2():
     "override, names",
     [
         ("+model.hf.hiden_size=64", ["'model.hf.hiden_size'", "'model.hf.hidden_size'", "hf_extra_keys"]),
+        # rope_theta is no key of the config's own (transformers moves it into rope_parameters)
+        ("+model.hf.rope_thetaa=1e4", ["'model.hf.rope_thetaa'", "Did you mean 'model.hf.rope_theta'?"]),
         ("model.hf.num_key_value_heads=3", ["num_key_value_heads=3", "multiple of num_key_value_heads"]),
         ("model.hf.vocab_size=200", ["257 tokens", "model.hf.vocab_size to at least 257"]),
     ],

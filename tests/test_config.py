@@ -37,6 +37,11 @@ def test_open_section_accepts_plus_keys():
     "overrides, match",
     [
         (["train.max_stepz=3"], r"Unknown config key 'train.max_stepz'.*Did you mean 'train.max_steps'"),
+        (["trian.max_steps=3"], r"'trian.max_steps'.*Did you mean 'train.max_steps'\?"),
+        (["data.sources.0.pth=x"], r"Did you mean 'data.sources.0.path'\?"),
+        (["trainz=3"], r"Unknown config key 'trainz'.*Did you mean 'train'\?"),
+        (["zzz.max_steps=3"], r"'zzz.max_steps'.* `muonrun config docs` lists every key\.$"),
+        (["model.hf.rope_theta=1"], r"Prefix it with '\+'.*\(\+model.hf.KEY=value\)"),
         (["train.max_steps=abc"], r"'train.max_steps'.*wrong type"),
         (["train.max_steps"], r"Override 'train.max_steps' is malformed"),
         (["train.micro_batch_size=0"], r"'train.micro_batch_size' is 0; it must be at least 1"),

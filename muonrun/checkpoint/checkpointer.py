@@ -113,6 +113,11 @@ class Checkpointer:
         # they never interleave with the training collectives on the default group.
         self._pg = dist.new_group(backend="gloo") if cfg.async_save else None
 
+    @property
+    def published_step(self) -> int | None:
+        """The step of the newest checkpoint this run published or resumed from (all ranks agree)."""
+        return self._published
+
     # -- asked by the trainer after every step
 
     def local_flags(self) -> list[float]:

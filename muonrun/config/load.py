@@ -122,15 +122,29 @@ RETIRED_KEYS = {
 
 
 def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
+    """The keys a mistyped one may have meant: the first part of its path that does not exist is matched
+    against the keys beside it (`trian.max_steps` finds 'train.max_steps')."""
     if full_key in RETIRED_KEYS:
         return f" {RETIRED_KEYS[full_key]}; delete the setting."
-    parent_key, _, leaf = full_key.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-    if not isinstance(parent, DictConfig):
-        return ""
-    close = difflib.get_close_matches(leaf, [str(k) for k in parent], n=3)
-    prefix = f"{parent_key}." if parent_key else ""
-    return f" Did you mean {' or '.join(repr(prefix + c) for c in close)}?" if close else ""
+    parts, node = full_key.split("."), cfg
+    for i, part in enumerate(parts):
+        if isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
+            node = node._get_node(int(part))
+            continue
+        if not isinstance(node, DictConfig):
+            return ""
+        keys = [str(k) for k in node]
+        if part not in keys:
+            close = difflib.get_close_matches(part, keys, n=3)
+            whole = [".".join([*parts[:i], c, *parts[i + 1 :]]) for c in close]
+            exist = [k for k in whole if OmegaConf.select(cfg, k, default=_ABSENT) is not _ABSENT]
+            found = exist or [".".join([*parts[:i], c]) for c in close]
+            return f" Did you mean {' or '.join(map(repr, found))}?" if found else ""
+        node = node._get_node(part)
+    return ""
+
+
+_ABSENT = object()
 
 
 def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
@@ -174,7 +188,11 @@ def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConf
                 f"{list_key}=[{{path: my.jsonl}}]."
             )
     if not add and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
-        hint = _did_you_mean(cfg, key) or " Prefix it with '+' to add a key to an open section (model.hf)."
+        hint = _did_you_mean(cfg, key) or (
+            " Prefix it with '+' to add a transformers config key (+model.hf.KEY=value)."
+            if key.startswith("model.hf.")
+            else " `muonrun config docs` lists every key."
+        )
         raise UserError(f"Unknown config key '{key}' in {source}.{hint}")
     if not any(part.isdigit() for part in key.split(".")):
         try:
