@@ -193,13 +193,19 @@ def adapted_model(cfg: Config, hf_config, checkpoint: Path, trained: dict[str, t
 
 
 def export_hf(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32", adapter_only: bool = False
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str = "float32",
+    adapter_only: bool = False,
+    *,
+    shown_as: Path | None = None,
 ) -> Path:
     """Write a Hugging Face folder (config.json, safetensors, tokenizer files or a README note) that
     `AutoModelForCausalLM.from_pretrained(out)` loads; a LoRA run's adapters merged into its base.
     `adapter_only`: a LoRA run's adapter folder (adapter_config.json, adapter_model.safetensors) for
     `peft.PeftModel.from_pretrained(base, out)`. Runs on one process; needs CPU memory for one full
-    copy of the model in `dtype` (LoRA: in float32 as well)."""
+    copy of the model in `dtype` (LoRA: in float32 as well). `shown_as`: the path the folder's README
+    names, where it is written elsewhere first."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -228,7 +234,8 @@ def export_hf(
     if lora:
         adapted = adapted_model(cfg, hf_config, checkpoint, sd)
         if adapter_only:
-            return _write_adapter(adapted.to(getattr(torch, dtype)), out, cfg, tok, checkpoint, dtype)
+            adapted = adapted.to(getattr(torch, dtype))
+            return _write_adapter(adapted, out, shown_as or out, cfg, tok, checkpoint, dtype)
         sd = adapted.merge_and_unload().state_dict()
     sd = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sd.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
@@ -260,8 +267,25 @@ def export_hf(
     (out / "README.md").write_text(
         f"# {cfg.name} (muonrun export)\n\n{_exported_from(checkpoint, dtype)}{merged}\n\n{note}\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM\n"
-        f'model = AutoModelForCausalLM.from_pretrained("{out}")\n```\n'
+        f'model = AutoModelForCausalLM.from_pretrained("{shown_as or out}")\n```\n'
     )
+    return out
+
+
+def export_replacing(checkpoint: Path, out: Path) -> Path:
+    """`export_hf` for checkpoint.export_at_end, into the run's own folder, which a rerun (or a resumed
+    run that trains further) exports to again: the new export is written beside it and swapped in once
+    complete, so `out` never holds half of one."""
+    import shutil
+
+    fresh, old = out.with_name(out.name + ".new"), out.with_name(out.name + ".old")
+    for leftover in (fresh, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    export_hf(checkpoint, fresh, shown_as=out)
+    if out.exists():
+        out.rename(old)
+    fresh.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -273,7 +297,9 @@ def _exported_from(checkpoint: Path, dtype: str) -> str:
     )
 
 
-def _write_adapter(adapted, out: Path, cfg: Config, tok, checkpoint: Path, dtype: str) -> Path:
+def _write_adapter(
+    adapted, out: Path, shown_as: Path, cfg: Config, tok, checkpoint: Path, dtype: str
+) -> Path:
     """peft's adapter folder, the tokenizer beside it (unless the byte tokenizer), and a README."""
     adapted.save_pretrained(out)
     note = BYTE_TOKENIZER_NOTE if cfg.data.tokenizer == "byte" else f"Tokenizer: `{cfg.data.tokenizer}`."
@@ -284,6 +310,6 @@ def _write_adapter(adapted, out: Path, cfg: Config, tok, checkpoint: Path, dtype
         f"# {cfg.name} (muonrun export: LoRA adapter)\n\n{_exported_from(checkpoint, dtype)} The adapter of "
         f"`{base}`.\n\n{note}\n\n```python\nfrom peft import PeftModel\nfrom transformers import "
         f'AutoModelForCausalLM\n\nbase = AutoModelForCausalLM.from_pretrained("{base}")\n'
-        f'model = PeftModel.from_pretrained(base, "{out}")\n```\n'
+        f'model = PeftModel.from_pretrained(base, "{shown_as}")\n```\n'
     )
     return out

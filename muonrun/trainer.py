@@ -20,7 +20,7 @@ from muonrun.clip import clip_grad_norm
 from muonrun.config import Config
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
-from muonrun.hf import base_identity, export_hf, load_pretrained
+from muonrun.hf import base_identity, export_replacing, load_pretrained
 from muonrun.lora import lora_flops_per_token
 from muonrun.metrics import Metrics, optimizer_telemetry
 from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
@@ -262,6 +262,12 @@ class Trainer:
         self.model.train()
         self.metrics.start(self.state)
         profiler = StepProfiler(cfg, self.dist)
+        if self.state.step >= cfg.train.max_steps:
+            self.metrics.note(
+                f"Nothing to train: this run is complete at step {self.state.step} (train.max_steps="
+                f"{cfg.train.max_steps}). Raise train.max_steps to train on, or set name (or output_dir) "
+                "for a new run."
+            )
         try:
             while self.state.step < cfg.train.max_steps:
                 lr_mult = self.set_lr()
@@ -300,7 +306,7 @@ class Trainer:
         step, cfg = self.state.step, self.cfg
         if cfg.checkpoint.export_at_end and step >= cfg.train.max_steps:
             if self.dist.is_main:
-                out = export_hf(
+                out = export_replacing(
                     Path(cfg.output_dir) / "checkpoints" / f"step-{step}", Path(cfg.output_dir) / "hf"
                 )
                 self.metrics.note(f"Exported a Hugging Face model to {out}")

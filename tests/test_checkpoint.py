@@ -438,3 +438,10 @@ def test_init_from_takes_weights_only(adamw_ref, tmp_path):
     trained = load_model_tensors(step)
     for name, tensor in exported.items():
         assert torch.equal(tensor, trained[name]), name
+    # Rerunning the finished run trains nothing, says so, and exports again over its own export.
+    (out / "hf" / "stale.txt").write_text("from the first export")
+    again = [f"checkpoint.init_from={step}", "train.max_steps=1", "checkpoint.export_at_end=true"]
+    text = ok(pretrain(out, *again, nproc=1))
+    assert "Nothing to train: this run is complete at step 1" in text and "Exported" in text
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("hf")) == ["hf"]
+    assert not (out / "hf" / "stale.txt").exists() and (out / "hf" / "model.safetensors").exists()

@@ -355,7 +355,8 @@ class CheckpointConfig:
     """Write checkpoints in a background thread (dcp.async_save, over a separate gloo group) while training
     continues; costs one CPU copy of this rank's state. The final and the preemption checkpoints stay synchronous."""
     export_at_end: bool = False
-    """After the final checkpoint, also write a Hugging Face folder to OUTPUT_DIR/hf (as `muonrun export`)."""
+    """After the final checkpoint, also write a Hugging Face folder to OUTPUT_DIR/hf (as `muonrun export`),
+    replacing the run's earlier export there once the new one is complete."""
 
     def __post_init__(self) -> None:
         _not_negative(**{"checkpoint.interval": self.interval})
