@@ -157,3 +157,36 @@ def destroy(barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+
+
+# Torch's DTensor caches that hold DeviceMeshes (and through them process groups) for the life of the
+# process: (module, attribute path, the method that empties it or "" if the attribute is that function).
+_MESH_CACHES = (
+    ("torch.distributed.tensor.debug", "_clear_python_sharding_prop_cache", ""),
+    ("torch.distributed.tensor.debug", "_clear_fast_path_sharding_prop_cache", ""),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache", ""),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos", "cache_clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh", "cache_clear"),
+)
+
+
+def release_process_groups() -> None:
+    """After destroy(), once the training objects are gone: free the process groups (and gloo's threads)
+    while the interpreter is whole. DTensor's caches keep DeviceMeshes, and through them every process
+    group, alive to the end of the process even after destroy_process_group; freed in interpreter
+    teardown instead, gloo's threads can abort the process ("terminate called without an active
+    exception"), turning a finished run or exit code 3 into -6. A group still live (a rank that failed
+    alone, its peers perhaps inside a collective with it) is left to the process exit."""
+    import gc
+    import importlib
+    from functools import reduce
+
+    if dist.is_initialized():
+        return
+    for module, path, method in _MESH_CACHES:
+        try:
+            cache = reduce(getattr, path.split("."), importlib.import_module(module))
+            (getattr(cache, method) if method else cache)()
+        except (ImportError, AttributeError):  # another torch version: its caches differ
+            pass
+    gc.collect()

@@ -137,14 +137,17 @@ def launch(cfg: DictConfig) -> int:
         (out / "config.yaml").write_text(config_yaml)
     os.environ["MUONRUN_LAUNCHER_PID"] = str(os.getpid())  # where MUONRUN_FAULT=term@STEP sends SIGTERM
     if plan.in_process:
+        from muonrun.distributed import release_process_groups
         from muonrun.trainer import NonFiniteError
 
+        code = 0
         try:
             run_worker(config_yaml)
         except NonFiniteError as e:
             print(f"muonrun: {e}", file=sys.stderr, flush=True)
-            return NON_FINITE_EXIT
-        return 0
+            code = NON_FINITE_EXIT
+        release_process_groups()
+        return code
     return _elastic(plan, config_yaml, out)
 
 
@@ -372,8 +375,10 @@ def worker_entry(config_yaml: str) -> None:
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from muonrun.distributed import release_process_groups
     from muonrun.trainer import NonFiniteError, run_worker
 
+    code = 0
     try:
         record(run_worker)(config_yaml)
     except (UserError, NonFiniteError) as e:
@@ -384,4 +389,7 @@ def worker_entry(config_yaml: str) -> None:
             (Path(folder) / f"exit{code}-rank{os.environ.get('RANK', '0')}.txt").write_text(str(e))
         elif os.environ.get("RANK", "0") == "0":
             print(f"muonrun: {e}", file=sys.stderr, flush=True)
+    # Outside the except block: the error's traceback (and the trainer its frames hold) is gone by now.
+    release_process_groups()
+    if code:
         sys.exit(code)

@@ -689,7 +689,8 @@ def test_distributed_matches_reference(tmp_path):
     """One 4-rank gloo launch: shard groups of 1, 2, 3 and 4 ranks (sub-meshes), then HSDP 2x2.
     Each: all adjust_lr_fn x nesterov x wd combos vs torch.optim.Muon after 1 and 10 steps, uneven
     and empty shards, exactly-once orthogonalisation, a real FSDP2 backward, DCP save/load/resume,
-    muonrun.clip against torch's clip_grad_norm_ and muonrun's AdamW (local shards) against torch's AdamW."""
+    muonrun.clip against torch's clip_grad_norm_ and muonrun's AdamW (local shards) against torch's AdamW;
+    at the end, release_process_groups leaves no gloo thread for interpreter teardown."""
     from tests.dist.launch import run_workers
 
     out = run_workers(WORKER, 4, str(tmp_path), timeout=600)

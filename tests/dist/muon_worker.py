@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from muonrun.clip import clip_grad_norm
+from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import DEFAULT_NS_COEFFICIENTS, AdamW, Muon, adjust_lr, newton_schulz
 from muonrun.optim.newton_schulz import ns_iterations, orthogonality_residual
 from muonrun.optim.sharding import owner_flops
@@ -468,9 +470,20 @@ def suite(mesh, ckpt_dir: str) -> None:
 def main() -> None:
     ckpt_root = sys.argv[1]
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    rank = dist.get_rank()
+    all_checks(ckpt_root, rank, dist.get_world_size())
+    # Torch keeps the meshes (and their gloo groups and threads) alive past destroy_process_group, to die
+    # in interpreter teardown, where they can abort the process: release_process_groups frees them now.
+    destroy()
+    assert gloo_threads(), "no gloo thread before the release: this check would prove nothing"
+    release_process_groups()
+    assert not gloo_threads(), gloo_threads()
+    if rank == 0:
+        print("MUON_WORKER_OK", flush=True)
 
+
+def all_checks(ckpt_root: str, rank: int, world: int) -> None:
     if world == 4:
         # every rank takes part in creating every mesh (new_group is collective over the world)
         three, one = DeviceMesh("cpu", [0, 1, 2]), DeviceMesh("cpu", [3])
@@ -486,9 +499,9 @@ def main() -> None:
         check_clip(mesh2d, "hsdp 2x2")
         check_local_adamw(mesh2d, "hsdp 2x2")
 
-    dist.barrier()
-    log(None, "MUON_WORKER_OK")
-    dist.destroy_process_group()
+
+def gloo_threads() -> list[str]:
+    return [name for t in Path("/proc/self/task").glob("*/comm") if "gloo" in (name := t.read_text().strip())]
 
 
 if __name__ == "__main__":
