@@ -72,3 +72,23 @@ class StepAgreement:
         bad_loss, norm_bad, stop, writing = agreed.values()
         bad_loss_rank = self.world_size - round(bad_loss) if bad_loss > 0 else None
         return Agreed(step, bad_loss_rank, norm_bad > 0, stop > 0, writing > 0, grad_norm)
+
+
+def non_finite_message(agreed: Agreed, world_size: int, resume_step: int | None) -> str:
+    """The error for a non-finite step, in the same words on every rank (the launcher prints each
+    distinct report once); `resume_step`: the newest checkpoint, which a rerun resumes from."""
+    found = []
+    if agreed.loss_bad:
+        where = f" on rank {agreed.bad_loss_rank} (the lowest such rank)" if world_size > 1 else ""
+        found.append(f"loss not finite{where}")
+    if agreed.norm_bad:
+        found.append(f"gradient norm {agreed.grad_norm.item()}")
+    then = (
+        f"rerun the command: it resumes from the last checkpoint, step-{resume_step}, which is intact."
+        if resume_step is not None
+        else "start again (no checkpoint was saved before that step)."
+    )
+    return (
+        f"Loss or gradient norm is not finite at step {agreed.step} ({', '.join(found)}); stopped, and "
+        f"nothing from that step on was saved. Lower the learning rate or raise warmup, then {then}"
+    )

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from muonrun import faults
-from muonrun.agreement import Agreed, StepAgreement
+from muonrun.agreement import Agreed, StepAgreement, non_finite_message
 from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
 from muonrun.clip import clip_grad_norm
 from muonrun.config import Config
@@ -219,27 +219,8 @@ class Trainer:
         if agreed is None:
             return
         if agreed.loss_bad or agreed.norm_bad:
-            # The same words on every rank (the launcher prints each distinct report once).
-            found = []
-            if agreed.loss_bad:
-                where = (
-                    f" on rank {agreed.bad_loss_rank} (the lowest such rank)"
-                    if self.dist.world_size > 1
-                    else ""
-                )
-                found.append(f"loss not finite{where}")
-            if agreed.norm_bad:
-                found.append(f"gradient norm {agreed.grad_norm.item()}")
             latest = self.checkpointer.published_step
-            raise NonFiniteError(
-                f"Loss or gradient norm is not finite at step {agreed.step} ({', '.join(found)}); stopped, "
-                "and nothing from that step on was saved. Lower the learning rate or raise warmup, then "
-                + (
-                    f"rerun the command: it resumes from the last checkpoint, step-{latest}, which is intact."
-                    if latest is not None
-                    else "start again (no checkpoint was saved before that step)."
-                )
-            )
+            raise NonFiniteError(non_finite_message(agreed, self.dist.world_size, latest))
         self.checkpointer.agree(agreed.stop, agreed.writing)
 
     def settle(self) -> None:

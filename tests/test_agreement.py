@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from muonrun.agreement import StepAgreement
+from muonrun.agreement import StepAgreement, non_finite_message
 
 
 @pytest.mark.parametrize(
@@ -37,3 +37,14 @@ def test_a_non_finite_loss_names_its_rank(rank, world_size):
     assert agreed.loss_bad and agreed.bad_loss_rank == rank and not agreed.norm_bad
     agreement.launch(4, torch.tensor(1.0), torch.tensor(1.0), [0.0, 0.0])
     assert agreement.settle().bad_loss_rank is None
+
+
+def test_the_non_finite_message_says_where_and_what_a_rerun_does():
+    agreement = StepAgreement()
+    agreement.launch(5, torch.tensor(math.nan), torch.tensor(math.inf), [0.0, 0.0])
+    agreed = agreement.settle()
+    alone = non_finite_message(agreed, world_size=1, resume_step=None)
+    assert "at step 5 (loss not finite, gradient norm inf)" in alone and "start again (no checkpoint" in alone
+    several = non_finite_message(agreed, world_size=4, resume_step=4)
+    assert "loss not finite on rank 0 (the lowest such rank)" in several
+    assert "resumes from the last checkpoint, step-4, which is intact" in several
