@@ -140,13 +140,17 @@ def launch(cfg: DictConfig) -> int:
         from muonrun.distributed import release_process_groups
         from muonrun.trainer import NonFiniteError
 
-        code = 0
+        code, mistake = 0, None
         try:
             run_worker(config_yaml)
         except NonFiniteError as e:
             print(f"muonrun: {e}", file=sys.stderr, flush=True)
             code = NON_FINITE_EXIT
+        except UserError as e:
+            mistake = UserError(str(e))  # without the traceback, whose frames hold the trainer
         release_process_groups()
+        if mistake is not None:
+            raise mistake
         return code
     return _elastic(plan, config_yaml, out)
 
