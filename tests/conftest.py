@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU tests are skipped without a GPU; every test runs offline; `one_thread`."""
+"""Shared test set-up: GPU tests are skipped without a GPU; every test runs offline; `one_thread`; process
+groups made in this process are freed before it exits."""
 
 import os
 
@@ -29,3 +30,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests that ran a process group in this process leave it in torch's DTensor caches: free it before
+    interpreter teardown, where gloo's threads can abort pytest after every test passed."""
+    import torch.distributed as dist
+
+    from muonrun.distributed import release_process_groups
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    release_process_groups()

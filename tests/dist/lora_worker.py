@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muonrun.config import load_config, to_object, to_yaml
+from muonrun.distributed import destroy, release_process_groups
 from muonrun.errors import UserError
 from muonrun.lora import is_adapter
 from muonrun.optim import Muon
@@ -279,10 +280,12 @@ def main() -> None:
     check_training(cfg, trainer)
     check_checkpoint(cfg, trainer)
     trainer.close()
+    del trainer
     check_bf16_frozen(to_object(cfg_yaml))
     dist.barrier()
     log("LORA_WORKER_OK")
-    dist.destroy_process_group()
+    destroy()
+    release_process_groups()  # no gloo thread is left for interpreter teardown
 
 
 if __name__ == "__main__":

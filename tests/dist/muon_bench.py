@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import Muon, newton_schulz
 from tests.dist.muon_worker import FoldedMuon
 
@@ -157,8 +158,8 @@ def main() -> None:
                 log(table[:6000])
         del params, adamw, opt, stacks
         torch.cuda.empty_cache()
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy()
+    release_process_groups()
 
 
 if __name__ == "__main__":

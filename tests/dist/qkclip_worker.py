@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from muonrun import qkclip
 from muonrun.config import load_config, to_object
-from muonrun.distributed import all_reduce_max, local_tensor
+from muonrun.distributed import all_reduce_max, destroy, local_tensor, release_process_groups
 from muonrun.trainer import Trainer
 
 HEAD_DIM, HEADS, KV_HEADS = 32, 3, 1
@@ -183,40 +183,46 @@ def check_rows(out: Path, optimizer: str) -> None:
 
 def main(out_dir: str) -> None:
     for optimizer in ("adamw", "muon"):
-        out = Path(out_dir) / optimizer
-        overrides = [
-            f"output_dir={out}",
-            f"optimizer.name={optimizer}",
-            f"model.hf.hidden_size={HEADS * HEAD_DIM}",
-            f"model.hf.num_attention_heads={HEADS}",
-            f"model.hf.num_key_value_heads={KV_HEADS}",
-            "model.hf.intermediate_size=128",
-            "model.hf.num_hidden_layers=2",
-            "data.seq_len=48",
-            "train.micro_batch_size=2",
-            "train.max_steps=3",
-            "train.eval_interval=0",
-            "train.qk_clip.tau=1.0",
-            "logging.optimizer_telemetry=true",
-            "logging.tensorboard=true",
-            "logging.log_interval=1",
-            "logging.console=plain",
-            "checkpoint.save_at_end=false",
-        ]
-        trainer = Trainer(to_object(load_config("tiny", overrides)))
-        try:
-            rank = trainer.dist.rank
-            make_large(trainer)
-            check_one_step(trainer, rank)
-            trainer.qk_clip.tau = 20.0
-            trainer.train()
-        finally:
-            trainer.close()
-        if rank == 0:
-            check_rows(out, optimizer)
-        dist.barrier()
-    if dist.get_rank() == 0:
+        run_one(Path(out_dir) / optimizer, optimizer)
+    rank = dist.get_rank()
+    destroy()
+    release_process_groups()  # the trainers are gone: no gloo thread is left for interpreter teardown
+    if rank == 0:
         print("QKCLIP_WORKER_OK", flush=True)
+
+
+def run_one(out: Path, optimizer: str) -> None:
+    overrides = [
+        f"output_dir={out}",
+        f"optimizer.name={optimizer}",
+        f"model.hf.hidden_size={HEADS * HEAD_DIM}",
+        f"model.hf.num_attention_heads={HEADS}",
+        f"model.hf.num_key_value_heads={KV_HEADS}",
+        "model.hf.intermediate_size=128",
+        "model.hf.num_hidden_layers=2",
+        "data.seq_len=48",
+        "train.micro_batch_size=2",
+        "train.max_steps=3",
+        "train.eval_interval=0",
+        "train.qk_clip.tau=1.0",
+        "logging.optimizer_telemetry=true",
+        "logging.tensorboard=true",
+        "logging.log_interval=1",
+        "logging.console=plain",
+        "checkpoint.save_at_end=false",
+    ]
+    trainer = Trainer(to_object(load_config("tiny", overrides)))
+    try:
+        rank = trainer.dist.rank
+        make_large(trainer)
+        check_one_step(trainer, rank)
+        trainer.qk_clip.tau = 20.0
+        trainer.train()
+    finally:
+        trainer.close()
+    if rank == 0:
+        check_rows(out, optimizer)
+    dist.barrier()
 
 
 if __name__ == "__main__":
