@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from muonrun.clip import clip_grad_norm
+from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import AdamW
 
 
@@ -60,7 +61,7 @@ def time_pair(fns: dict, cuda: bool) -> dict[str, float]:
     return {name: statistics.median(ts[3:]) for name, ts in times.items()}
 
 
-def main() -> None:
+def measure() -> None:
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 24
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -102,7 +103,12 @@ def main() -> None:
         for what, r in results.items():
             for name, t in r.items():
                 print(f"{what:>15} {name:>14}: {t * 1e3:.2f} ms per call")
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    measure()  # its models and meshes are gone on return
+    destroy()
+    release_process_groups()  # before interpreter teardown, where gloo's threads can abort the process
 
 
 if __name__ == "__main__":

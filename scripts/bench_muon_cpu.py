@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import AdamW, Muon
 from muonrun.optim.newton_schulz import ns_dtype_for
 
@@ -63,7 +64,7 @@ def matmul_ms(shape: tuple[int, int, int], dtype: torch.dtype) -> float:
     return best * 1e3
 
 
-def main() -> None:
+def measure() -> None:
     models = sys.argv[1:] or ["tiny", "25m"]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -92,7 +93,12 @@ def main() -> None:
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32), ("auto", auto)):
             t = median_ms(Muon(params, lr=0.02, ns_dtype=dtype).step, steps)
             log(f"Muon step, {name} Newton–Schulz: {t:.1f} ms ({t / t_adamw:.1f}x AdamW's)")
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    measure()  # its models and meshes are gone on return
+    destroy()
+    release_process_groups()  # before interpreter teardown, where gloo's threads can abort the process
 
 
 if __name__ == "__main__":
