@@ -30,7 +30,7 @@ def test_settle_returns_what_was_launched_once(loss, grad_norm, flags, expected)
 @pytest.mark.parametrize("rank, world_size", [(0, 1), (2, 4), (3, 4)])
 def test_a_non_finite_loss_names_its_rank(rank, world_size):
     """A non-finite loss enters the MAX as world_size - rank: the agreed value names the lowest rank
-    with one (one process here, so that is this rank), and every rank words its error the same."""
+    with one (one process here, so that is this rank)."""
     agreement = StepAgreement(rank, world_size)
     agreement.launch(3, torch.tensor(math.inf), torch.tensor(1.0), [0.0, 0.0])
     agreed = agreement.settle()

@@ -445,3 +445,4 @@ def test_init_from_takes_weights_only(adamw_ref, tmp_path):
     assert "Nothing to train: this run is complete at step 1" in text and "Exported" in text
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("hf")) == ["hf"]
     assert not (out / "hf" / "stale.txt").exists() and (out / "hf" / "model.safetensors").exists()
+    assert f'from_pretrained("{out / "hf"}")' in (out / "hf" / "README.md").read_text()  # not hf.new
