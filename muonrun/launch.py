@@ -147,7 +147,8 @@ def launch(cfg: DictConfig) -> int:
             print(f"muonrun: {e}", file=sys.stderr, flush=True)
             code = NON_FINITE_EXIT
         except UserError as e:
-            mistake = UserError(str(e))  # without the traceback, whose frames hold the trainer
+            mistake = e.with_traceback(None)  # its traceback's frames hold the trainer, and so its context's
+            mistake.__context__ = None
         release_process_groups()
         if mistake is not None:
             raise mistake
