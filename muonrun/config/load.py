@@ -121,6 +121,9 @@ RETIRED_KEYS = {
 }
 
 
+_ABSENT = object()  # OmegaConf.select's default: tells a missing key from one set to None
+
+
 def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
     """The keys a mistyped one may have meant: the first part of its path that does not exist is matched
     against the keys beside it (`trian.max_steps` finds 'train.max_steps')."""
@@ -142,9 +145,6 @@ def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
             return f" Did you mean {' or '.join(map(repr, found))}?" if found else ""
         node = node._get_node(part)
     return ""
-
-
-_ABSENT = object()
 
 
 def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
@@ -187,7 +187,7 @@ def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConf
                 f"(indices 0..{len(node) - 1}). Replace the whole list instead, e.g. "
                 f"{list_key}=[{{path: my.jsonl}}]."
             )
-    if not add and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+    if not add and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
         hint = _did_you_mean(cfg, key) or (
             " Prefix it with '+' to add a transformers config key (+model.hf.KEY=value)."
             if key.startswith("model.hf.")
