@@ -118,7 +118,7 @@ def pretrain(
 ) -> None:
     """Train a model from a preset or YAML file, with optional KEY=VALUE overrides."""
     from muonrun.config import load_config
-    from muonrun.slurm import launch_defaults
+    from muonrun.launch.slurm import launch_defaults
 
     flags = _flag_overrides(
         nproc_per_node=nproc_per_node,
@@ -135,11 +135,11 @@ def pretrain(
     # Inside `srun`, SLURM's variables fill the launch.* keys that the config and the flags leave unset.
     cfg = load_config(config, [*(overrides or []), *flags], environment=launch_defaults())
     if dry_run:
-        from muonrun.plan import print_plan
+        from muonrun.tools.plan import print_plan
 
         print_plan(cfg, world_size)
         return
-    from muonrun.launch import launch
+    from muonrun.launch.launcher import launch
 
     code = launch(cfg)
     if code:
@@ -193,7 +193,7 @@ def compare(
 ) -> None:
     """Plot runs' loss vs step, tokens and wall time, and print a table: final and best eval loss, tokens/s,
     MFU, and the steps/tokens each run needed to reach the worse run's final loss."""
-    from muonrun.compare import compare as compare_runs
+    from muonrun.tools.compare import compare as compare_runs
 
     compare_runs(run_dirs, out, smoothing=smoothing, title=title)  # prints where it wrote
 
@@ -221,7 +221,7 @@ def export(
 ) -> None:
     """Write a Hugging Face folder (safetensors, config.json, tokenizer) from a muonrun checkpoint; a LoRA
     run's adapters merged into its base model, or with --adapter-only the adapter alone."""
-    from muonrun.hf import export_hf
+    from muonrun.model.hf import export_hf
 
     out = export_hf(checkpoint, out_dir, dtype, adapter_only=adapter_only)
     if adapter_only:
@@ -288,7 +288,7 @@ def bench(
     import json
     from pathlib import Path
 
-    from muonrun.bench import print_results, run_bench
+    from muonrun.tools.bench import print_results, run_bench
 
     out_path = Path(out)
     results = run_bench(config, overrides or [], variant or [], steps, warmup, out_path.parent, repeat)

@@ -135,7 +135,7 @@ def to_device(values: list[float], device: torch.device) -> torch.Tensor:
 
 class HostCopy:
     """A small device tensor copied to pinned host memory without waiting: `.values()` blocks only
-    until that copy is done, which one step later it long is (muonrun/agreement.py, metrics.py)."""
+    until that copy is done, which one step later it long is (muonrun/train/agreement.py, metrics.py)."""
 
     def __init__(self, values: torch.Tensor):
         if values.device.type == "cuda":

@@ -79,9 +79,9 @@ def main() -> None:
     import muonrun.checkpoint.checkpointer as checkpointer
     from muonrun.config import load_config, to_object, to_yaml
     from muonrun.distributed import destroy
-    from muonrun.hf import export_hf
-    from muonrun.model import count_params
-    from muonrun.trainer import Trainer
+    from muonrun.model.build import count_params
+    from muonrun.model.hf import export_hf
+    from muonrun.train.trainer import Trainer
 
     if args.writer_threads:
         checkpointer.WRITER_THREADS = args.writer_threads
@@ -104,9 +104,9 @@ def main() -> None:
         out.mkdir(parents=True)
         (out / "config.yaml").write_text(to_yaml(cfg_node))  # what `muonrun export` reads
     if not args.real_data:
-        import muonrun.trainer
+        import muonrun.train.trainer
 
-        muonrun.trainer.build_loader = SyntheticLoader
+        muonrun.train.trainer.build_loader = SyntheticLoader
     trainer = Trainer(cfg)
     ck, dev, main_rank = trainer.checkpointer, trainer.dist.device, trainer.dist.is_main
     trainer.train()

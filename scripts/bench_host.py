@@ -1,6 +1,6 @@
 """Host time of the per-step work on FSDP2 shards that muonrun does on the local tensors, against
 torch's path through DTensor's dispatcher:
-  clip:  torch.nn.utils.clip_grad_norm_ on the DTensor gradients vs muonrun.clip.clip_grad_norm;
+  clip:  torch.nn.utils.clip_grad_norm_ on the DTensor gradients vs muonrun.train.clip.clip_grad_norm;
   adamw: torch.optim.AdamW on the DTensors vs muonrun.optim.AdamW, as muonrun builds it
          (fused on CUDA, torch's default elsewhere), with foreach=True and with fused=True.
 
@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from muonrun.clip import clip_grad_norm
 from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import AdamW
+from muonrun.train.clip import clip_grad_norm
 
 
 def sharded_model(layers: int, mesh, device: torch.device) -> torch.nn.Module:

@@ -15,7 +15,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from muonrun.loss import linear_cross_entropy_sum
+from muonrun.model.loss import linear_cross_entropy_sum
 
 
 def full_logits(h, w, y, chunk):

@@ -1,4 +1,4 @@
-"""Time the max-logit measurement of muonrun/qkclip.py against the attention it watches, per layer.
+"""Time the max-logit measurement of muonrun/features/qkclip.py against the attention it watches, per layer.
 
     python scripts/bench_max_logit.py                 # the 0.5B preset's shapes: 16 x 2048, 14/2 heads, dim 64
     python scripts/bench_max_logit.py --batch 8 --heads 28 --kv-heads 4 --dim 128
@@ -17,7 +17,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from muonrun.qkclip import causal_max_logit, causal_max_logit_matmul
+from muonrun.features.qkclip import causal_max_logit, causal_max_logit_matmul
 
 
 def timed(fn, repeats: int = 20) -> float:

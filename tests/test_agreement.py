@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from muonrun.agreement import StepAgreement, non_finite_message
+from muonrun.train.agreement import StepAgreement, non_finite_message
 
 
 @pytest.mark.parametrize(

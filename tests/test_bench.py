@@ -2,8 +2,8 @@
 
 import pytest
 
-from muonrun.bench import parse_variant, summarize
 from muonrun.errors import UserError
+from muonrun.tools.bench import parse_variant, summarize
 
 
 def test_parse_variant():
@@ -47,8 +47,8 @@ def test_repeats_run_round_robin_and_report_median_and_range(tmp_path, monkeypat
     import json
     from pathlib import Path
 
-    import muonrun.launch
-    from muonrun.bench import run_bench
+    import muonrun.launch.launcher
+    from muonrun.tools.bench import run_bench
 
     launched = []
     step_times = iter([0.5, 1.0, 0.4, 2.0, 0.6, 1.5])  # a, b, a, b, a, b
@@ -64,7 +64,7 @@ def test_repeats_run_round_robin_and_report_median_and_range(tmp_path, monkeypat
         (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
         return 0
 
-    monkeypatch.setattr(muonrun.launch, "launch", fake_launch)
+    monkeypatch.setattr(muonrun.launch.launcher, "launch", fake_launch)
     out = run_bench("tiny", [], ["a", "b:optimizer.name=muon"], 2, 1, tmp_path, 3)
     assert [Path(p).name for p in launched] == ["a-1", "b-1", "a-2", "b-2", "a-3", "b-3"]
     assert out["a"]["step_time"] == 0.5 and out["b"]["step_time"] == 1.5  # median of the three runs
@@ -77,7 +77,7 @@ def test_repeats_run_round_robin_and_report_median_and_range(tmp_path, monkeypat
 
 def test_results_table_keeps_whole_names_in_a_log_file(capsys):
     """Printed into a pipe (a cluster log), rich would assume 80 columns and cut cells to 'adamw-s…'."""
-    from muonrun.bench import print_results
+    from muonrun.tools.bench import print_results
 
     row = {
         "tokens_per_s_per_device": 10262.4,

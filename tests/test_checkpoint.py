@@ -305,7 +305,7 @@ def test_nan_stops_before_the_update_and_keeps_the_checkpoint(adamw_ref, tmp_pat
 def test_the_launcher_exits_by_what_workers_reported_not_by_their_exit_status(tmp_path, capsys):
     """A rank that reported a non-finite step may still die in interpreter teardown (-6), its peers in a
     collective with it: the reports alone give the exit code, and each distinct message is printed once."""
-    from muonrun.launch import NON_FINITE_EXIT, USER_ERROR_EXIT, report_worker_errors
+    from muonrun.launch.launcher import NON_FINITE_EXIT, USER_ERROR_EXIT, report_worker_errors
 
     assert report_worker_errors(tmp_path) is None  # a plain crash: the launcher reports the first failure
     for rank in (0, 1):
@@ -321,8 +321,8 @@ def test_the_launcher_exits_by_what_workers_reported_not_by_their_exit_status(tm
 def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from muonrun.hf import read_run_config
-    from muonrun.model import build_hf_config
+    from muonrun.model.build import build_hf_config
+    from muonrun.model.hf import read_run_config
 
     step = adamw_ref / "checkpoints" / f"step-{STEPS}"
     hf = tmp_path / "hf"

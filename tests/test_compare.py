@@ -10,8 +10,16 @@ import pytest
 from typer.testing import CliRunner
 
 from muonrun.cli import app
-from muonrun.compare import compare, ema, folder_suffixes, load_run, markdown_table, summarize, tell_apart
 from muonrun.errors import UserError
+from muonrun.tools.compare import (
+    compare,
+    ema,
+    folder_suffixes,
+    load_run,
+    markdown_table,
+    summarize,
+    tell_apart,
+)
 
 
 def write_run(folder, rows, config: str | None = None):

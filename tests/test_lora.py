@@ -1,4 +1,4 @@
-"""LoRA (model.lora, muonrun/lora.py): adapters on a pretrained model under FSDP2 with distributed Muon.
+"""LoRA (model.lora, muonrun/features/lora.py): adapters on a pretrained model under FSDP2 with distributed Muon.
 
 One 3-rank gloo launch (tests/dist/lora_worker.py) checks training against torch.optim.Muon, frozen
 weights, the checkpoint's contents and a bitwise resume; the exports are checked against the logits it
@@ -93,10 +93,10 @@ def test_groups_and_plan_count_only_what_trains(folder):
     """Muon takes exactly the adapters' A and B, AdamW what else trains (here the norms); with adamw
     AdamW takes all that trains; frozen parameters are in no group; the dry run plans memory without
     fp32 copies, gradients or optimizer state for frozen weights."""
-    from muonrun.lora import is_adapter
-    from muonrun.model import build_hf_config, build_model
+    from muonrun.features.lora import is_adapter
+    from muonrun.model.build import build_hf_config, build_model
     from muonrun.optim.build import build_optimizers
-    from muonrun.plan import memory_per_rank, plan_summary
+    from muonrun.tools.plan import memory_per_rank, plan_summary
 
     over = [*LORA, f"model.name_or_path={folder / 'base'}", "model.lora.train=['*norm.weight']"]
     c = to_object(load_config("tiny", [*over, "optimizer.name=muon"]))
@@ -127,9 +127,9 @@ def test_groups_and_plan_count_only_what_trains(folder):
 def test_targets_and_base_identity(folder, tmp_path):
     """peft gets the modules' last names when they select exactly the chosen modules, else full names;
     the base's fingerprint follows its weights, not its folder."""
-    from muonrun.hf import base_identity
-    from muonrun.lora import peft_config
-    from muonrun.model import build_hf_config, build_model
+    from muonrun.features.lora import peft_config
+    from muonrun.model.build import build_hf_config, build_model
+    from muonrun.model.hf import base_identity
 
     c = to_object(load_config("tiny", [*LORA, f"model.name_or_path={folder / 'base'}"]))
     plain = to_object(load_config("tiny", [f"model.name_or_path={folder / 'base'}"])).model

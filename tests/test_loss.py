@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from muonrun.loss import linear_cross_entropy_sum, loss_and_logit_grad
+from muonrun.model.loss import linear_cross_entropy_sum, loss_and_logit_grad
 
 
 @pytest.mark.parametrize("chunk", [0, 7, 16, 100])

@@ -21,10 +21,10 @@ import torch
 from muonrun import metrics as metrics_mod
 from muonrun import sinks
 from muonrun.config import load_config, to_object
-from muonrun.console import PlainView, RichView
 from muonrun.distributed import Dist
-from muonrun.environment import git_sha
-from muonrun.metrics import Metrics
+from muonrun.observe.console import PlainView, RichView
+from muonrun.observe.environment import git_sha
+from muonrun.observe.metrics import Metrics
 
 ANSI = re.compile(r"\x1b\[")
 
@@ -65,7 +65,7 @@ def make_cfg(tmp_path, *overrides):
 
 
 def tiny_model(cfg):
-    from muonrun.model import build_hf_config, build_model
+    from muonrun.model.build import build_hf_config, build_model
 
     return build_model(cfg.model, build_hf_config(cfg.model))
 

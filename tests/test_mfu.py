@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from muonrun import mfu
-from muonrun.mfu import lookup_peak_tflops, matmul_precision
+from muonrun.observe.mfu import lookup_peak_tflops, matmul_precision
 
 
 def test_flops_per_token_hand_count():
     from transformers import Qwen2Config
 
-    from muonrun.model import flops_per_token
+    from muonrun.model.build import flops_per_token
 
     h, layers, heads, kv, inter, vocab, seq = 64, 2, 4, 2, 160, 96, 32
     hf = Qwen2Config(
@@ -46,7 +46,7 @@ def test_flops_per_token_matches_torch_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from muonrun.model import flops_per_token
+    from muonrun.model.build import flops_per_token
 
     seq = 32
     hf = Qwen2Config(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from muonrun.config import ModelConfig, load_config, to_object
-from muonrun.model import MASK_FREE_SDPA, build_hf_config, build_model, init_weights
+from muonrun.model.build import MASK_FREE_SDPA, build_hf_config, build_model, init_weights
 
 TINY_QWEN2 = dict(
     vocab_size=64,
@@ -66,7 +66,7 @@ def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architectur
 def test_training_steps_never_wait_for_the_gpu(tmp_path, optimizer, extra):
     """Any host sync (a pageable copy, .item(), a bool of a GPU tensor) raises in sync-debug mode."""
     from muonrun.distributed import destroy
-    from muonrun.trainer import Trainer
+    from muonrun.train.trainer import Trainer
 
     overrides = [f"output_dir={tmp_path}", "train.device=cuda", f"optimizer.name={optimizer}", *extra]
     overrides += ["train.eval_interval=0", "checkpoint.interval=0", "logging.console=plain"]

@@ -397,7 +397,7 @@ def test_gram_newton_schulz_in_bf16_is_as_close_to_the_polar_factor():
 
 def test_owners_balance_newton_schulz_flops_where_round_robin_cannot():
     from muonrun.optim.sharding import owner_flops
-    from muonrun.plan import ns_flops_per_rank
+    from muonrun.tools.plan import ns_flops_per_rank
 
     big, small = newton_schulz_flops((4, 4)), newton_schulz_flops((2, 2))  # 1920, 240 with 5 steps
     shapes = [(4, 4)] * 3 + [(2, 2)] * 3
@@ -689,7 +689,7 @@ def test_distributed_matches_reference(tmp_path):
     """One 4-rank gloo launch: shard groups of 1, 2, 3 and 4 ranks (sub-meshes), then HSDP 2x2.
     Each: all adjust_lr_fn x nesterov x wd combos vs torch.optim.Muon after 1 and 10 steps, uneven
     and empty shards, exactly-once orthogonalisation, a real FSDP2 backward, DCP save/load/resume,
-    muonrun.clip against torch's clip_grad_norm_ and muonrun's AdamW (local shards) against torch's AdamW;
+    muonrun.train.clip against torch's clip_grad_norm_ and muonrun's AdamW (local shards) against torch's AdamW;
     at the end, release_process_groups leaves no gloo thread for interpreter teardown."""
     from tests.dist.launch import run_workers
 

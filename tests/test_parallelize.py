@@ -4,8 +4,8 @@ import torch
 
 from muonrun.config import load_config, to_object
 from muonrun.data import build_tokenizer
-from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, decoder_layers
-from muonrun.parallelize import apply_compile
+from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, decoder_layers
+from muonrun.model.parallelize import apply_compile
 
 
 def test_compiled_layers_share_one_graph():
@@ -32,7 +32,7 @@ def test_compiled_layers_share_one_graph():
 def test_checkpointed_layers_are_compiled_too():
     """With activation checkpointing every layer still runs compiled code, in forward and in the
     recompute (compiling a forward that calls `checkpoint` would silently leave it eager)."""
-    from muonrun.parallelize import apply_compile_and_checkpointing
+    from muonrun.model.parallelize import apply_compile_and_checkpointing
 
     calls = {"n": 0}
 

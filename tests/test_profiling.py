@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import torch
 
 from muonrun.config import load_config, to_object
-from muonrun.profiling import ACTIVE, WAIT, WARMUP, StepProfiler, phase
-from muonrun.timeline import summarize
+from muonrun.observe.profiling import ACTIVE, WAIT, WARMUP, StepProfiler, phase
+from muonrun.observe.timeline import summarize
 
 
 def run_steps(tmp_path, is_main: bool):

@@ -1,4 +1,4 @@
-"""QK-clip and the max attention logit (muonrun/qkclip.py): the measurement against materialized logits,
+"""QK-clip and the max attention logit (muonrun/features/qkclip.py): the measurement against materialized logits,
 the per-head rescale with grouped-query attention, the bound on a model whose logits grow, compiled
 layers, the config checks, and the telemetry in metrics.jsonl, TensorBoard and `muonrun compare`.
 Under FSDP2 on 2 ranks, with AdamW and Muon through the trainer: tests/dist/qkclip_worker.py (slow).
@@ -19,8 +19,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from muonrun import qkclip
 from muonrun.config import ModelConfig, load_config, to_object
 from muonrun.errors import UserError
-from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, init_weights
-from muonrun.qkclip import QKClip, build_qk_clip, causal_max_logit_matmul
+from muonrun.features.qkclip import QKClip, build_qk_clip, causal_max_logit_matmul
+from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
 
 # 6 query heads over 2 key heads (groups of 3), head_dim 8, Qwen2's query and key biases
 HF = dict(
@@ -215,8 +215,8 @@ def test_qk_clip_bounds_the_logit_of_a_model_that_grows_it():
 
 
 def test_compiled_layers_measure_the_same_and_share_one_graph():
-    from muonrun.model import decoder_layers
-    from muonrun.parallelize import apply_compile
+    from muonrun.model.build import decoder_layers
+    from muonrun.model.parallelize import apply_compile
 
     eager, compiled = make_model(qk_gain=5.0), make_model(qk_gain=5.0)
     trackers = [QKClip(m, tau=None, device=torch.device("cpu")) for m in (eager, compiled)]
@@ -253,9 +253,9 @@ def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from muonrun.compare import compare
     from muonrun.distributed import Dist
-    from muonrun.metrics import Metrics, optimizer_telemetry
+    from muonrun.observe.metrics import Metrics, optimizer_telemetry
+    from muonrun.tools.compare import compare
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
@@ -352,7 +352,7 @@ def test_triton_kernel_is_the_largest_materialized_logit(dtype):
 def test_compiled_training_steps_with_qk_clip_never_wait_for_the_gpu(tmp_path):
     """The kernel inside compiled layers (one graph, no break), the clip and the telemetry: no host sync."""
     from muonrun.distributed import destroy
-    from muonrun.trainer import Trainer
+    from muonrun.train.trainer import Trainer
 
     overrides = [
         f"output_dir={tmp_path}",

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from muonrun.config import ScheduleConfig
-from muonrun.schedule import lr_multiplier
+from muonrun.train.schedule import lr_multiplier
 
 
 def test_warmup_is_linear_from_zero():

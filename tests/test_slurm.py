@@ -10,7 +10,7 @@ from muonrun.cli import app
 from muonrun.config import PRESET_DIR, load_config, to_object
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
-from muonrun.slurm import expand_hostlist, hostnames, launch_defaults
+from muonrun.launch.slurm import expand_hostlist, hostnames, launch_defaults
 
 runner = CliRunner()
 

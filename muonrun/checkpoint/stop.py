@@ -3,7 +3,7 @@ ranks agree on after a step, save at that step and stop cleanly.
 
 A handler only sets the flag: saving inside it could interrupt a collective. A second Ctrl-C stops at
 once (KeyboardInterrupt, reported in one line by the CLI), losing the steps since the last checkpoint.
-In a multi-worker job the launcher handles Ctrl-C for its workers (muonrun/launch.py), which ignore it.
+In a multi-worker job the launcher handles Ctrl-C for its workers (muonrun/launch/launcher.py), which ignore it.
 """
 
 from __future__ import annotations

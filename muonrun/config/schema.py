@@ -270,7 +270,7 @@ class ParallelConfig:
     Newton–Schulz are unchanged. Which Linear layers it serves follows torchao's size rule (small ones
     lose more to the casts than they gain; the LM head never): `--dry-run` lists them. The gain grows
     with the matmuls: a larger `train.micro_batch_size` gains more (docs/performance.md). See
-    muonrun/float8.py."""
+    muonrun/features/float8.py."""
 
     def __post_init__(self) -> None:
         for key, value in (
@@ -292,7 +292,7 @@ class QKClipConfig:
     takes the square root of its group's strongest clip and each query head the rest, so each head's
     logits scale by exactly its own factor. None: off (K2 uses 100). Works with either optimizer; needs
     SDPA attention, full causal, without QK-norm. The logits are measured exactly in every training
-    forward (one extra Q K^T pass without backward: a sixth of the attention FLOPs, muonrun/qkclip.py);
+    forward (one extra Q K^T pass without backward: a sixth of the attention FLOPs, muonrun/features/qkclip.py);
     logs `max_attention_logit` per layer and `qk_clipped_heads`."""
 
     def __post_init__(self) -> None:

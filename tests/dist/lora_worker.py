@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from muonrun.config import load_config, to_object, to_yaml
 from muonrun.distributed import destroy, release_process_groups
 from muonrun.errors import UserError
-from muonrun.lora import is_adapter
+from muonrun.features.lora import is_adapter
 from muonrun.optim import Muon
 from muonrun.optim.groups import split_params
 
@@ -96,8 +96,8 @@ def reference(cfg, trainer):
     weights, with torch's own Muon and AdamW."""
     from transformers import AutoModelForCausalLM
 
-    from muonrun.lora import apply_lora
-    from muonrun.model import CausalLMWithLoss
+    from muonrun.features.lora import apply_lora
+    from muonrun.model.build import CausalLMWithLoss
 
     lm = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32)
     apply_lora(lm, cfg.model.lora)
@@ -238,9 +238,9 @@ def check_bf16_frozen(cfg) -> None:
     """param_dtype=bfloat16: frozen weights are stored in bf16 (no fp32 copy), the adapters in fp32,
     and FSDP2 trains the mix."""
     from muonrun.distributed import init_distributed
-    from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, init_weights
+    from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
     from muonrun.optim.build import build_optimizers
-    from muonrun.parallelize import parallelize
+    from muonrun.model.parallelize import parallelize
 
     cfg.parallel.param_dtype = "bfloat16"
     d = init_distributed(cfg)
@@ -273,7 +273,7 @@ def main() -> None:
         (folder / "run" / "config.yaml").write_text(to_yaml(cfg_yaml))  # what `muonrun export` reads
     dist.barrier()
 
-    from muonrun.trainer import Trainer
+    from muonrun.train.trainer import Trainer
 
     cfg = to_object(cfg_yaml)
     trainer = Trainer(cfg)

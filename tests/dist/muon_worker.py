@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from muonrun.clip import clip_grad_norm
+from muonrun.train.clip import clip_grad_norm
 from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import DEFAULT_NS_COEFFICIENTS, AdamW, Muon, adjust_lr, newton_schulz
 from muonrun.optim.newton_schulz import ns_iterations, orthogonality_residual
@@ -383,7 +383,7 @@ def check_dcp(mesh, tag: str, ckpt_dir: str) -> None:
 
 
 def check_clip(mesh, tag: str) -> None:
-    """muonrun.clip on FSDP2 (or HSDP) shards, uneven and empty ones included, against torch's
+    """muonrun.train.clip on FSDP2 (or HSDP) shards, uneven and empty ones included, against torch's
     clip_grad_norm_ on the full gradients: the same norm on every rank and the same clipped rows."""
     model = make_model(3)
     fully_shard(model, mesh=mesh)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from muonrun import qkclip
 from muonrun.config import load_config, to_object
 from muonrun.distributed import all_reduce_max, destroy, local_tensor, release_process_groups
-from muonrun.trainer import Trainer
+from muonrun.train.trainer import Trainer
 
 HEAD_DIM, HEADS, KV_HEADS = 32, 3, 1
 

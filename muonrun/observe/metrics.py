@@ -1,6 +1,6 @@
 """Metrics: tokens/s, MFU and memory, reduced across ranks only on logged steps, written by rank 0 to
-OUTPUT_DIR/metrics.jsonl (and TensorBoard / Weights & Biases when asked: muonrun/sinks.py) and shown on
-the console (muonrun/console.py).
+OUTPUT_DIR/metrics.jsonl (and TensorBoard / Weights & Biases when asked: muonrun/observe/sinks.py) and shown on
+the console (muonrun/observe/console.py).
 
 Between logged steps nothing waits for the GPU: losses stay on the device and are summed there; the
 first row of each run (and of each resume) is `{"event": "start", ...}` with what `muonrun compare`
@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from muonrun.config import Config
-from muonrun.console import make_view
 from muonrun.distributed import Dist, HostCopy, all_reduce_max, all_reduce_mean, to_device
-from muonrun.environment import git_sha, gpu_names, library_versions
-from muonrun.mfu import lookup_peak_tflops, matmul_precision
-from muonrun.sinks import make_sinks
+from muonrun.observe.console import make_view
+from muonrun.observe.environment import git_sha, gpu_names, library_versions
+from muonrun.observe.mfu import lookup_peak_tflops, matmul_precision
+from muonrun.observe.sinks import make_sinks
 
 
 def memory_numbers(device: torch.device) -> dict[str, float]:
@@ -139,7 +139,7 @@ class Metrics:
             "output_dir": str(self.out),
         }
         if self.model is not None:
-            from muonrun.model import count_params
+            from muonrun.model.build import count_params
 
             info["parameters"] = count_params(self.model)
         return info

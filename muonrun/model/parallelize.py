@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from muonrun.config import ParallelConfig
-from muonrun.model import decoder_layers
+from muonrun.model.build import decoder_layers
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -66,7 +66,7 @@ def apply_fsdp(
 def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig, device_type: str) -> nn.Module:
     layers = decoder_layers(model)
     if p.float8 != "none":
-        from muonrun.float8 import apply_float8
+        from muonrun.features.float8 import apply_float8
 
         apply_float8(model, p.float8)
     apply_compile_and_checkpointing(layers, p.activation_checkpointing, p.compile)

@@ -81,8 +81,8 @@ def tokenizer_vocab(c) -> tuple[int | None, str]:
 
 
 def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
-    from muonrun.launch import default_nproc
-    from muonrun.model import check_model, count_params, flops_per_token
+    from muonrun.launch.launcher import default_nproc
+    from muonrun.model.build import check_model, count_params, flops_per_token
     from muonrun.optim.groups import split_params
 
     c = to_object(cfg)
@@ -105,7 +105,7 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * world
     fpt = flops_per_token(hf, c.data.seq_len)
     if c.model.lora.enabled:
-        from muonrun.lora import lora_flops_per_token
+        from muonrun.features.lora import lora_flops_per_token
 
         fpt = lora_flops_per_token(fpt, model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
@@ -144,10 +144,10 @@ def lora_row(c, p: dict) -> str:
 
 
 def float8_row(model, recipe: str) -> str:
-    """Which Linear layers run in float8 (muonrun/float8.py's rule), by shape."""
+    """Which Linear layers run in float8 (muonrun/features/float8.py's rule), by shape."""
     from collections import Counter
 
-    from muonrun.float8 import chosen
+    from muonrun.features.float8 import chosen
 
     picks = chosen(model, recipe)
     shapes = {name: (m.out_features, m.in_features) for name, m in model.named_modules() if name in picks}

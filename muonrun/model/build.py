@@ -13,10 +13,10 @@ from torch import nn
 
 from muonrun.config import ModelConfig
 from muonrun.errors import UserError
-from muonrun.lora import adapter_init, apply_lora
-from muonrun.loss import linear_cross_entropy_sum
-from muonrun.qkclip import ATTENTION_NAME
-from muonrun.qkclip import observe as observe_max_logit
+from muonrun.features.lora import adapter_init, apply_lora
+from muonrun.features.qkclip import ATTENTION_NAME
+from muonrun.features.qkclip import observe as observe_max_logit
+from muonrun.model.loss import linear_cross_entropy_sum
 
 
 def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
@@ -155,7 +155,7 @@ def use_mask_free_sdpa(model: nn.Module, m: ModelConfig) -> None:
 
 def causal_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention, after handing its query (RoPE applied) and key (before the GQA
-    repeat) to muonrun/qkclip.py, which measures the largest logit per head when that is on."""
+    repeat) to muonrun/features/qkclip.py, which measures the largest logit per head when that is on."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     observe_max_logit(module, query, key, kwargs.get("scaling"))
@@ -164,7 +164,7 @@ def causal_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
 
 def build_model(m: ModelConfig, hf_config) -> nn.Module:
     """The causal LM on the meta device (no memory is used until `init_weights`), with LoRA adapters
-    when `model.lora.enabled` (muonrun/lora.py)."""
+    when `model.lora.enabled` (muonrun/features/lora.py)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -245,7 +245,7 @@ def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) 
 
 class CausalLMWithLoss(nn.Module):
     """The root FSDP unit: backbone, then LM head + cross-entropy fused over chunks of tokens
-    (muonrun/loss.py), so the full [tokens x vocab] fp32 logits never exist (151,936-way vocab for
+    (muonrun/model/loss.py), so the full [tokens x vocab] fp32 logits never exist (151,936-way vocab for
     Qwen2). `loss_chunk_tokens=0` computes all logits at once."""
 
     def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 4096, compile_loss: bool = False):

@@ -118,8 +118,8 @@ def check_output_dir(out: Path) -> None:
 def launch(cfg: DictConfig) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.data import check_data
-    from muonrun.model import check_model
-    from muonrun.trainer import run_worker
+    from muonrun.model.build import check_model
+    from muonrun.train.trainer import run_worker
 
     plan = make_plan(cfg)
     c = to_object(cfg)
@@ -127,7 +127,7 @@ def launch(cfg: DictConfig) -> int:
     check_model(c.model, tokenizer.vocab_size, c.data.seq_len)
     if c.parallel.float8 != "none":
         from muonrun.distributed import pick_device_type
-        from muonrun.float8 import check_available
+        from muonrun.features.float8 import check_available
 
         check_available(pick_device_type(c))
     config_yaml = to_yaml(cfg)
@@ -138,7 +138,7 @@ def launch(cfg: DictConfig) -> int:
     os.environ["MUONRUN_LAUNCHER_PID"] = str(os.getpid())  # where MUONRUN_FAULT=term@STEP sends SIGTERM
     if plan.in_process:
         from muonrun.distributed import release_process_groups
-        from muonrun.trainer import NonFiniteError
+        from muonrun.train.trainer import NonFiniteError
 
         code, mistake = 0, None
         try:
@@ -381,7 +381,7 @@ def worker_entry(config_yaml: str) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from muonrun.distributed import release_process_groups
-    from muonrun.trainer import NonFiniteError, run_worker
+    from muonrun.train.trainer import NonFiniteError, run_worker
 
     code = 0
     try:

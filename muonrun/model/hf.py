@@ -72,7 +72,7 @@ def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from muonrun.lora import base_name, is_adapter
+    from muonrun.features.lora import base_name, is_adapter
 
     files = _hf_weight_files(name_or_path, d)
     # Tied weights appear once, under the input embedding's name; LoRA's adapters are not in the files
@@ -149,7 +149,7 @@ def adapted_model(cfg: Config, hf_config, checkpoint: Path, trained: dict[str, t
     from transformers import AutoModelForCausalLM
     from transformers.utils.logging import disable_progress_bar
 
-    from muonrun.lora import ADAPTER, is_adapter, peft_config, require_peft
+    from muonrun.features.lora import ADAPTER, is_adapter, peft_config, require_peft
 
     require_peft()
     from peft import get_peft_model
@@ -210,7 +210,7 @@ def export_hf(
     from safetensors.torch import save_file
 
     from muonrun.data import build_tokenizer
-    from muonrun.model import build_hf_config
+    from muonrun.model.build import build_hf_config
 
     checkpoint = resolve_checkpoint(checkpoint)
     verdict = verify(checkpoint)

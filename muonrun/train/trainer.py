@@ -14,21 +14,21 @@ from pathlib import Path
 import torch
 
 from muonrun import faults
-from muonrun.agreement import Agreed, StepAgreement, non_finite_message
 from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
-from muonrun.clip import clip_grad_norm
 from muonrun.config import Config
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
-from muonrun.hf import base_identity, export_replacing, load_pretrained
-from muonrun.lora import lora_flops_per_token
-from muonrun.metrics import Metrics, optimizer_telemetry
-from muonrun.model import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
+from muonrun.features.lora import lora_flops_per_token
+from muonrun.features.qkclip import build_qk_clip
+from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
+from muonrun.model.hf import base_identity, export_replacing, load_pretrained
+from muonrun.model.parallelize import parallelize
+from muonrun.observe.metrics import Metrics, optimizer_telemetry
+from muonrun.observe.profiling import StepProfiler, phase
 from muonrun.optim.build import build_optimizers
-from muonrun.parallelize import parallelize
-from muonrun.profiling import StepProfiler, phase
-from muonrun.qkclip import build_qk_clip
-from muonrun.schedule import lr_multiplier
+from muonrun.train.agreement import Agreed, StepAgreement, non_finite_message
+from muonrun.train.clip import clip_grad_norm
+from muonrun.train.schedule import lr_multiplier
 
 
 class NonFiniteError(RuntimeError):
@@ -182,7 +182,7 @@ class Trainer:
         with phase("clip"):
             clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
             grad_norm = clip_grad_norm(self.model.parameters(), clip)
-        # One collective per step, agreed by every rank (muonrun/agreement.py): non-finite loss/grad
+        # One collective per step, agreed by every rank (muonrun/train/agreement.py): non-finite loss/grad
         # (the loss is per rank) so all stop together, plus the checkpointer's stop/async-write flags.
         # Queued now, read at the next step: the host does not wait here.
         with phase("agree"):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from muonrun.console import print_table
 from muonrun.errors import UserError
+from muonrun.observe.console import print_table
 
 BENCH_OVERRIDES = [
     "logging.log_interval=1",
@@ -88,7 +88,7 @@ def run_bench(
     repeat: int = 1,
 ) -> dict:
     from muonrun.config import load_config
-    from muonrun.launch import launch
+    from muonrun.launch.launcher import launch
 
     specs = [parse_variant(spec) for spec in variants or ["default"]]
     names = [name for name, _ in specs]

@@ -1,7 +1,7 @@
 """`logging.profile=true`: torch.profiler over a few steady-state steps on rank 0.
 
 Writes OUTPUT_DIR/profile/ops.txt (operators and kernels by self device time), trace.json.gz (the
-timeline, for Perfetto) and timeline.txt (its summary: muonrun/timeline.py) so a speed question
+timeline, for Perfetto) and timeline.txt (its summary: muonrun/observe/timeline.py) so a speed question
 starts from a measurement:  muonrun bench qwen2-adamw-fsdp2 --variant p:logging.profile=true
 """
 
@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from muonrun.config import Config
 from muonrun.distributed import Dist
-from muonrun.timeline import PHASE_PREFIX, load_events, summarize
+from muonrun.observe.timeline import PHASE_PREFIX, load_events, summarize
 
 WAIT, WARMUP, ACTIVE = 4, 1, 3  # steps skipped, warmed up, recorded
 

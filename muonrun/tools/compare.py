@@ -270,7 +270,7 @@ def markdown_table(rows: list[dict], target: float, smoothing: float) -> str:
 def print_comparison(rows: list[dict], target: float) -> None:
     from rich.table import Table
 
-    from muonrun.console import print_table
+    from muonrun.observe.console import print_table
 
     table = Table(title=f"muonrun compare (target loss {target:.4f})")
     table.add_column("")

@@ -1,4 +1,4 @@
-"""The largest causal attention logit per head in one Triton kernel (muonrun/qkclip.py's GPU path).
+"""The largest causal attention logit per head in one Triton kernel (muonrun/features/qkclip.py's GPU path).
 
 Each program takes BLOCK_M query positions of one (sequence, head) and walks the key tiles at or before
 them, as a flash-attention forward does, keeping only the running maximum of each row of Q K^T: no

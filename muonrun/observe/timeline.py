@@ -4,7 +4,7 @@
 "why is this step slower" is about the timeline (idle gaps, exposed communication, which phase launched
 the work), which the operator table cannot answer. Also usable by hand:
 
-    python -m muonrun.timeline OUTPUT_DIR/profile/trace.json.gz
+    python -m muonrun.observe.timeline OUTPUT_DIR/profile/trace.json.gz
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ so muonrun's attention function (`model.MASK_FREE_SDPA`) hands the query (after 
 the GQA repeat) it passes to SDPA to `observe`, which computes max over i >= j of (q_i . k_j) * scaling
 for each head under no_grad:
 
-- on a GPU with Triton, one kernel (muonrun/_max_logit_triton.py) tiles Q K^T like a flash-attention
+- on a GPU with Triton, one kernel (muonrun/features/max_logit_triton.py) tiles Q K^T like a flash-attention
   forward (key tiles in the causal range only, fp32 sums of the bf16 products, which are exact in
   fp32) and keeps only the running maximum: the logits SDPA computes, up to fp32 summation order. Its
   FLOPs are 2 * seq_len * d_attn / 2 per token per layer, a sixth of the attention's training FLOPs
@@ -101,7 +101,7 @@ ATTENTION_NAME = "muonrun_causal_sdpa"
 # An opaque op to torch.compile: the compiled layer calls the kernel as it is.
 @torch.library.custom_op("muonrun::causal_max_logit", mutates_args=(), device_types="cuda")
 def _causal_max_logit_cuda(query: Tensor, key: Tensor) -> Tensor:
-    from muonrun._max_logit_triton import causal_max_logit
+    from muonrun.features.max_logit_triton import causal_max_logit
 
     return causal_max_logit(query, key)
 

@@ -1,0 +1,1 @@
+"""Starting the workers: torchrun's elastic agent or one in-process worker, SLURM values, worker reports."""

@@ -1,0 +1,1 @@
+"""What a run shows: metrics rows and their sinks, the console, MFU, the environment, the profiler timeline."""
