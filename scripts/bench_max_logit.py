@@ -79,7 +79,7 @@ def main() -> None:
 
 def sweep(q: torch.Tensor, k: torch.Tensor, flops: float) -> None:
     """Every tile setting: its time, and its result against an fp64 reference (sums in fp32: ~1e-6)."""
-    from muonrun import _max_logit_triton as kernel
+    from muonrun.features import max_logit_triton as kernel
 
     with torch.no_grad():
         want = causal_max_logit_matmul(q.double(), k.double())

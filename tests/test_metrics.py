@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonrun import metrics as metrics_mod
-from muonrun import sinks
 from muonrun.config import load_config, to_object
 from muonrun.distributed import Dist
+from muonrun.observe import metrics as metrics_mod
+from muonrun.observe import sinks
 from muonrun.observe.console import PlainView, RichView
 from muonrun.observe.environment import git_sha
 from muonrun.observe.metrics import Metrics

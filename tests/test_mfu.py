@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from muonrun import mfu
+from muonrun.observe import mfu
 from muonrun.observe.mfu import lookup_peak_tflops, matmul_precision
 
 

@@ -16,9 +16,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from muonrun import qkclip
 from muonrun.config import ModelConfig, load_config, to_object
 from muonrun.errors import UserError
+from muonrun.features import qkclip
 from muonrun.features.qkclip import QKClip, build_qk_clip, causal_max_logit_matmul
 from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
 

@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from muonrun import qkclip
+from muonrun.features import qkclip
 from muonrun.config import load_config, to_object
 from muonrun.distributed import all_reduce_max, destroy, local_tensor, release_process_groups
 from muonrun.train.trainer import Trainer
