@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muonrun import compat
 from muonrun.distributed import local_tensor
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
@@ -373,14 +374,14 @@ class Muon(torch.optim.Optimizer):
                 dsts.append(
                     send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
                 )
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-            upd = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
-            torch._foreach_copy_(dsts, upd)
+            compat.foreach_lerp_(bufs, grads, 1 - momentum)
+            upd = compat.foreach_lerp(grads, bufs, momentum) if nesterov else bufs
+            compat.foreach_copy_(dsts, upd)
             if self._sums is not None:
                 self._sums.add(part.shard.group, "momentum", sum_of_squares(bufs))
         if part.ns.normuon:  # type: ignore[attr-defined]
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
-            torch._foreach_copy_([it.state_view(send) for it in bucket.items], vs)
+            compat.foreach_copy_([it.state_view(send) for it in bucket.items], vs)
         for lo, hi in bucket.padding:
             send[lo:hi].zero_()
         return send
@@ -438,23 +439,23 @@ class Muon(torch.optim.Optimizer):
             deltas = []
             for gi, rows, cols, items in bucket.by_update:
                 s = settings[gi]
-                d = torch._foreach_mul([local_tensor(it.param) for it in items], -s.lr * s.weight_decay)
+                d = compat.foreach_mul([local_tensor(it.param) for it in items], -s.lr * s.weight_decay)
                 alpha = -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
-                torch._foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
+                compat.foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
                 deltas += d
             self._sums.add(part.shard.group, "update", sum_of_squares(deltas))
         for gi, items in bucket.by_group:
             factor = 1 - settings[gi].lr * settings[gi].weight_decay
             if factor != 1.0:
-                torch._foreach_mul_([local_tensor(it.param) for it in items], factor)
+                compat.foreach_mul_([local_tensor(it.param) for it in items], factor)
         for gi, rows, cols, items in bucket.by_update:
             s = settings[gi]
             ps = [local_tensor(it.param) for it in items]
             us = [views[id(it)] for it in items]
-            torch._foreach_add_(ps, us, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+            compat.foreach_add_(ps, us, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
         if part.ns.normuon:  # type: ignore[attr-defined]
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
-            torch._foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
+            compat.foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
 
     def _step_partition(self, part: Partition, settings: Sequence[StepSettings]) -> None:
         """All buckets of one partition: exchange, orthogonalise and apply, pipelined."""
