@@ -104,13 +104,13 @@ class StopFlag:
                 raise KeyboardInterrupt
             print(flush=True)  # past the ^C the terminal echoed
             _say(
-                "Ctrl-C: saving a checkpoint after the current step, then stopping "
+                "Ctrl-C: saving a checkpoint within two steps, then stopping "
                 "(Ctrl-C again stops at once, without saving)."
             )
         elif self.raised is None and _in_charge():
             _say(
-                f"got {signal.Signals(signum).name}: saving a checkpoint after the current step, "
-                "then stopping."
+                f"got {signal.Signals(signum).name}: saving a checkpoint within two steps (once the ranks agree "
+                "on one), then stopping."
             )
         global _requested
         self.raised = _requested = signum

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from muonrun.config import to_object, to_yaml
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 from muonrun.launch.lock import RunLock
-from muonrun.launch.supervise import Supervisor, WorkersReported
+from muonrun.launch.supervise import Supervisor, WorkersReported, quiet_leak_warnings
 from muonrun.launch.worker import CONTROL_ENV, NON_FINITE_EXIT, REPORTS, USER_ERROR_EXIT, worker_entry
 
 CONTROL_DIR = ".muonrun"  # in output_dir: one control folder per node while a launch runs
@@ -86,6 +87,8 @@ def make_plan(cfg: DictConfig) -> LaunchPlan:
             "ranks) straddle node boundaries unevenly; for HSDP shard within a node "
             f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1)."
         )
+    if plan.rdzv_endpoint and plan.node_rank == 0 and not plan.in_process:
+        check_endpoint_free(plan.rdzv_endpoint)
     if c.train.device == "cuda" or (c.train.device == "auto" and _has_cuda()):
         import torch
 
@@ -133,6 +136,8 @@ def launch(cfg: DictConfig) -> int:
     from muonrun.model.build import check_model
 
     plan = make_plan(cfg)
+    if not plan.in_process:
+        quiet_leak_warnings()  # before anything can start the resource tracker
     c = to_object(cfg)
     tokenizer = check_data(c)
     check_model(c.model, tokenizer.vocab_size, c.data.seq_len)
@@ -190,8 +195,6 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
 
     from muonrun.distributed import free_port
 
-    if plan.rdzv_endpoint and plan.node_rank == 0:
-        check_endpoint_free(plan.rdzv_endpoint)
     endpoint = plan.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     # This node's control folder: worker registrations and reports, torch's per-worker error files.
     # Inside the run folder (nothing of a launch is left elsewhere), removed when the launch ends.
@@ -238,35 +241,44 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
     try:
         with Supervisor(control, output_dir, plan.max_restarts):
             elastic_launch(lc, worker_entry)(config_yaml)
+        code = 0
     except WorkersReported:
-        return report_worker_errors(control / "reports") or 1
+        code = report_worker_errors(control / "reports") or 1
     except ChildFailedError as e:
-        reported = report_worker_errors(control / "reports")
-        if reported is not None:
-            return reported
-        rank, failure = e.get_first_failure()
-        how = (
-            f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        )
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        log.error(f"worker rank {rank} failed ({how}).\n{message}".rstrip())
-        return 1
+        code = report_worker_errors(control / "reports") or _report_failure(e)
     except SignalException as e:
         log.error(f"got {e.sigval.name}: the workers were stopped without saving.")
-        return 128 + int(e.sigval)
+        code = 128 + int(e.sigval)
     except RendezvousError as e:
         log.error(
             f"the rendezvous '{plan.rdzv_id}' at {endpoint} ended ({type(e).__name__}: {e}); another node "
             "stopped the job or never joined: see its output."
         )
-        return 1
+        code = 1
+    except KeyboardInterrupt as e:  # a second Ctrl-C, or SIGQUIT (Quit): the workers are stopped already
+        code, stopped = None, type(e)
     finally:
         tempfile.tempdir = tmp
         os.environ.pop(CONTROL_ENV, None)
         shutil.rmtree(control, ignore_errors=True)
         with contextlib.suppress(OSError):
             control.parent.rmdir()  # when no other node's folder is left in it
-    return 0
+    # An exception that stopped the agent kept it, and the queues and semaphores of the workers it
+    # started, alive in its traceback's frames: free them while the interpreter is whole, or the
+    # resource tracker warns of leaked semaphores at exit.
+    gc.collect()
+    if code is None:
+        raise stopped
+    return code
+
+
+def _report_failure(e) -> int:
+    """A worker crashed (nothing reported): one paragraph on the first failure, exit code 1."""
+    rank, failure = e.get_first_failure()
+    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    log.error(f"worker rank {rank} failed ({how}).\n{message}".rstrip())
+    return 1
 
 
 def report_worker_errors(folder: Path) -> int | None:

@@ -3,7 +3,7 @@ signals, reports, and the restart message. Public API only: torch's agent is sta
 `elastic_launch` and never patched.
 
 - SIGTERM, SIGUSR1 (a scheduler's preemption) and SIGHUP (a closed terminal) are passed on to the
-  workers, which save a checkpoint after the current step and exit 0. Ctrl-C: the first does the
+  workers, which save a checkpoint within two steps and exit 0. Ctrl-C: the first does the
   same, the second stops at once. SIGQUIT stops at once, without saving. The workers are this
   process's children (`multiprocessing.active_children()`), since the agent runs in this process.
 - A worker that reports a user mistake or a non-finite step (muonrun/launch/worker.py) sends SIGUSR2:
@@ -32,6 +32,19 @@ from muonrun.launch.worker import REPORTED, REPORTS
 
 class WorkersReported(Exception):  # noqa: N818 (an event, not an error of the launcher's)
     """A worker reported a user mistake or a non-finite step: the agent must stop, not restart."""
+
+
+LEAK_WARNING_FILTER = "ignore:resource_tracker:UserWarning"
+
+
+def quiet_leak_warnings() -> None:
+    """A worker the launcher stops at once (SIGKILL) leaves the semaphores it made (tqdm's write lock,
+    made by datasets) registered with the resource tracker it shares with the launcher: the tracker
+    unlinks them when the launcher exits, and warns of each. Expected here, so not shown: the filter
+    travels in PYTHONWARNINGS to the tracker (started later, by the first semaphore) and the workers."""
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if LEAK_WARNING_FILTER not in current.split(","):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [current, LEAK_WARNING_FILTER]))
 
 
 def stop_workers_now() -> None:
@@ -100,8 +113,8 @@ class Supervisor:
         if signum not in self._said:
             self._said.add(signum)
             log.info(
-                f"got {signal.Signals(signum).name}: the workers save a checkpoint after the current step, "
-                "then stop."
+                f"got {signal.Signals(signum).name}: the workers save a checkpoint within two steps (the "
+                "ranks agree on one first), then stop."
             )
         _forward(signum)
 
@@ -111,7 +124,7 @@ class Supervisor:
         if self._interrupts == 1:
             print(flush=True)  # past the ^C the terminal echoed
             log.info(
-                "Ctrl-C: the workers save a checkpoint after the current step, then stop "
+                "Ctrl-C: the workers save a checkpoint within two steps, then stop "
                 "(Ctrl-C again stops at once, without saving)."
             )
             _forward(signal.SIGTERM)
