@@ -42,7 +42,10 @@ RUN = [
     "--nproc-per-node",
     "2",
 ]
-HOLD_LOCK = "import sys, time; from muonrun.launch.lock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
+HOLD_LOCK = (  # another process holding a run folder's lock until it is killed
+    "import sys, time; from muonrun.launch.lock import RunLock; "
+    "held = RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
+)
 
 
 def env(tmp: Path, fault: str | None = None) -> dict[str, str]:
