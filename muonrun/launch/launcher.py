@@ -199,7 +199,12 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
     # This node's control folder: worker registrations and reports, torch's per-worker error files.
     # Inside the run folder (nothing of a launch is left elsewhere), removed when the launch ends.
     control = output_dir / CONTROL_DIR / f"node-{plan.node_rank}"
-    shutil.rmtree(control, ignore_errors=True)
+    stale = [control]
+    if plan.node_rank == 0:  # and those of nodes a killed launch with more nodes left
+        numbered = [(p, p.name.removeprefix("node-")) for p in (output_dir / CONTROL_DIR).glob("node-*")]
+        stale += [p for p, n in numbered if n.isdigit() and int(n) >= plan.nnodes]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
     control.mkdir(parents=True)
     lc = LaunchConfig(
         min_nodes=plan.nnodes,

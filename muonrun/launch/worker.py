@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from muonrun import log
 from muonrun.checkpoint.stop import LAUNCHER_PID_ENV, record_early
 from muonrun.errors import UserError
 
@@ -133,8 +134,8 @@ def report(code: int, message: str) -> None:
             os.kill(int(launcher), REPORTED)
             _flush()
             time.sleep(REPORT_GRACE_S)
-    elif rank == "0":
-        print(f"muonrun: {message}", file=sys.stderr)
+    else:
+        log.error(message)  # no launcher to print it: rank 0 does
     _flush()
     os._exit(code)
 
