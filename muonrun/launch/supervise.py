@@ -60,6 +60,11 @@ def _forward(signum: int) -> None:
             os.kill(child.pid, signum)
 
 
+# What a terminal sends; a launcher started with one of them ignored (`nohup` ignores SIGHUP, a script's
+# background job SIGINT and SIGQUIT) keeps ignoring it. A scheduler's SIGTERM and SIGUSR1 always count.
+TERMINAL_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -91,8 +96,8 @@ class Supervisor:
             REPORTED: self._reported,
         }
         for sig, handler in handlers.items():
-            if signal.getsignal(sig) is signal.SIG_IGN and sig != REPORTED:
-                continue  # ignored by whoever started muonrun (nohup ignores SIGHUP): the workers inherit it
+            if sig in TERMINAL_SIGNALS and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # ignored by whoever started muonrun (nohup, a script's `&`): the workers inherit it
             self._previous[sig] = signal.signal(sig, handler)
         if hasattr(os, "waitid"):
             self._watch.start()
