@@ -17,6 +17,9 @@ import signal
 import stat
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+# What a terminal sends: ignored when inherited ignored (nohup, a script's background job, or a worker,
+# whose launcher handles Ctrl-C and SIGQUIT). A scheduler's SIGTERM and SIGUSR1 always count.
+TERMINAL_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
 LAUNCHER_PID_ENV = "MUONRUN_LAUNCHER_PID"  # the launcher's pid, in its workers' environment
 
 _requested: int | None = None  # the last stop request of this process (and one from before its StopFlag)
@@ -75,7 +78,7 @@ def record_early() -> None:
     imports, model build, checkpoint load): the StopFlag starts with the request, so the run saves after
     its first step and stops, instead of dying of a signal it had no handler for yet."""
     for sig in STOP_SIGNALS:
-        if sig != signal.SIGINT and signal.getsignal(sig) is not signal.SIG_IGN:
+        if sig != signal.SIGINT and not (sig in TERMINAL_SIGNALS and signal.getsignal(sig) is signal.SIG_IGN):
             with contextlib.suppress(ValueError):
                 signal.signal(sig, _record_early)
 
@@ -87,7 +90,7 @@ class StopFlag:
         self.raised: int | None = _requested
         self._previous = {}
         for sig in (*STOP_SIGNALS, signal.SIGQUIT):
-            if signal.getsignal(sig) is signal.SIG_IGN:
+            if sig in TERMINAL_SIGNALS and signal.getsignal(sig) is signal.SIG_IGN:
                 continue  # a worker's Ctrl-C and SIGQUIT (its launcher handles them), or nohup's SIGHUP
             # ValueError outside the main thread (an embedding application): no stop requests there.
             with contextlib.suppress(ValueError):

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from muonrun import log
-from muonrun.checkpoint.stop import Quit, detach_from_terminal
+from muonrun.checkpoint.stop import TERMINAL_SIGNALS, Quit, detach_from_terminal
 from muonrun.launch.worker import REPORTED, REPORTS
 
 
@@ -58,11 +58,6 @@ def _forward(signum: int) -> None:
     for child in multiprocessing.active_children():
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
-
-
-# What a terminal sends; a launcher started with one of them ignored (`nohup` ignores SIGHUP, a script's
-# background job SIGINT and SIGQUIT) keeps ignoring it. A scheduler's SIGTERM and SIGUSR1 always count.
-TERMINAL_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
 
 
 def _signal_name(number: int) -> str:
