@@ -256,3 +256,26 @@ def test_a_rendezvous_port_another_program_holds_exits_2_naming_it(tmp_path):
     assert result.exit_code == 2 and f"port {port} is already in use on this machine" in text, result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_stop_request_during_start_up_is_kept_and_sigquit_stops_at_once(monkeypatch, capsys):
+    """In one process (the in-process worker, or a worker starting up): SIGHUP before the trainer's
+    StopFlag exists is kept by it; SIGQUIT raises Quit (the CLI: exit 131), saying nothing is saved."""
+    from muonrun.checkpoint import stop
+
+    monkeypatch.setattr(stop, "detach_from_terminal", lambda: None)  # leave the test runner's terminal be
+    monkeypatch.delenv(stop.LAUNCHER_PID_ENV, raising=False)
+    saved = {sig: signal.getsignal(sig) for sig in (*stop.STOP_SIGNALS, signal.SIGQUIT)}
+    try:
+        stop.record_early()
+        os.kill(os.getpid(), signal.SIGHUP)
+        flag = stop.StopFlag()
+        assert flag.raised == signal.SIGHUP and stop.requested()
+        with pytest.raises(stop.Quit):
+            os.kill(os.getpid(), signal.SIGQUIT)
+        assert "got SIGQUIT: stopping now, without saving" in capsys.readouterr().out
+        flag.restore()
+        assert not stop.requested()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
