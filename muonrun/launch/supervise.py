@@ -142,6 +142,9 @@ class Supervisor:
     def _reported(self, signum, frame) -> None:
         if self.stopping:
             return  # another worker's report, while the first one's is being acted on
+        if not any((self.control / "reports").glob(REPORTS)):  # a worker writes its report first
+            log.warning("got SIGUSR2 from outside the job (its workers use it to report a failure): ignored.")
+            return
         self._stop_now()
         raise WorkersReported
 
