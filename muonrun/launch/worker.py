@@ -54,7 +54,8 @@ def worker_entry(config_yaml: str) -> None:
     except (UserError, NonFiniteError) as e:
         code, message = (USER_ERROR_EXIT if isinstance(e, UserError) else NON_FINITE_EXIT), str(e)
     except BaseException as e:
-        register(failure=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        lines = str(e).strip().splitlines()
+        register(failure=f"{type(e).__name__}: {lines[0] if lines else ''}")  # for the restart message
         raise
     if code:  # outside the except block: the error's traceback (and the trainer its frames hold) is gone
         report(code, message)
