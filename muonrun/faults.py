@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -71,10 +72,8 @@ def after_step(step: int, rank: int) -> None:
     if _fires("kill", step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
     if _fires("hang", step, rank):
-        from muonrun.checkpoint.stop import requested
-
         deadline = time.monotonic() + 600
-        while not requested() and time.monotonic() < deadline:
+        while not _stop_requested() and time.monotonic() < deadline:
             time.sleep(0.05)
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, os.getpid()))
     if _fires("term", step, rank):
@@ -83,6 +82,13 @@ def after_step(step: int, rank: int) -> None:
         if i:
             time.sleep(1.0)  # a signal sent while the same one is pending is merged into it
         os.kill(launcher, signal.SIGINT)
+
+
+def _stop_requested() -> bool:
+    """Whether this process got a stop request. Read from the module the trainer loaded, not imported:
+    the checkpoint package imports this module."""
+    stop = sys.modules.get("muonrun.checkpoint.stop")
+    return stop is not None and stop.requested()
 
 
 def during_save(step: int, rank: int) -> None:

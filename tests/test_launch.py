@@ -172,16 +172,18 @@ def test_one_writer_per_run_folder_workers_die_with_their_launcher_and_hup_and_q
     assert checkpoints(out) == ["step-4", "step-8", f"step-{stopped}"]
     assert "Traceback" not in text and "terminate called" not in text
 
-    # 5. SIGQUIT stops at once without saving: exit 131, one line each, the checkpoints untouched.
+    # 5. SIGQUIT during step 15 stops at once without saving: exit 131, one line each, no checkpoint
+    #    changed (the step-12 one, if this launch saved it, was published before the hang).
     log4 = tmp_path / "fourth.log"
-    fourth = start(out, tmp, log4, fault="hang@14")
-    wait_until(lambda: sum(r.get("event") == "start" for r in rows(out)) == 3, fourth, log4)
+    fourth = start(out, tmp, log4, fault="hang@15")
+    wait_until(lambda: 13 in losses(out), fourth, log4)
+    saved = tree(out / "checkpoints")
     fourth.send_signal(signal.SIGQUIT)
     code, text = finish(fourth, log4)
     assert code == 131, text[-3000:]
     assert "got SIGQUIT: stopping the workers now, without saving" in text and "stopped by SIGQUIT" in text
     assert "Traceback" not in text and "terminate called" not in text and "leaked" not in text
-    assert checkpoints(out) == ["step-4", "step-8", f"step-{stopped}"]
+    assert tree(out / "checkpoints") == saved and max(losses(out)) == 13
 
     # Nothing of the four launches is left outside the run folder, nor their control folders in it.
     assert not [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor")]

@@ -111,7 +111,6 @@ from muonrun.optim.telemetry import Sums, sum_of_squares
 
 __all__ = ["Muon"]
 
-
 VARIANTS = ("muon", "normuon")
 NS_DTYPES = (torch.bfloat16, torch.float32)
 
