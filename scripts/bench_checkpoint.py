@@ -80,7 +80,7 @@ def main() -> None:
     from muonrun.config import load_config, to_object, to_yaml
     from muonrun.distributed import destroy
     from muonrun.model.build import count_params
-    from muonrun.model.hf import export_hf
+    from muonrun.tools.export import export_hf
     from muonrun.train.trainer import Trainer
 
     if args.writer_threads:
@@ -120,7 +120,7 @@ def main() -> None:
 
     sync(dev)
     t = time.perf_counter()
-    path = ck.save(trainer.state.step)
+    path = ck.save(trainer.state.step, trainer.state.tokens_seen)
     sync(dev)
     result["save_s"] = time.perf_counter() - t
     result["checksum_s"] = ck.timings["checksum_s"]  # part of save_s: hashing the files just written

@@ -322,7 +322,7 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from muonrun.model.build import build_hf_config
-    from muonrun.model.hf import read_run_config
+    from muonrun.tools.export import read_run_config
 
     step = adamw_ref / "checkpoints" / f"step-{STEPS}"
     hf = tmp_path / "hf"

@@ -93,6 +93,7 @@ def test_groups_and_plan_count_only_what_trains(folder):
     """Muon takes exactly the adapters' A and B, AdamW what else trains (here the norms); with adamw
     AdamW takes all that trains; frozen parameters are in no group; the dry run plans memory without
     fp32 copies, gradients or optimizer state for frozen weights."""
+    from muonrun.features import enabled
     from muonrun.features.lora import is_adapter
     from muonrun.model.build import build_hf_config, build_model
     from muonrun.optim.build import build_optimizers
@@ -100,7 +101,7 @@ def test_groups_and_plan_count_only_what_trains(folder):
 
     over = [*LORA, f"model.name_or_path={folder / 'base'}", "model.lora.train=['*norm.weight']"]
     c = to_object(load_config("tiny", [*over, "optimizer.name=muon"]))
-    model = build_model(c.model, build_hf_config(c.model))
+    model = build_model(c.model, build_hf_config(c.model), enabled(c))
     named = {id(p): n for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     muon, adamw = (

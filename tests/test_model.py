@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from muonrun.config import ModelConfig, load_config, to_object
-from muonrun.model.build import MASK_FREE_SDPA, build_hf_config, build_model, init_weights
+from muonrun.model.attention import ATTENTION_NAME as MASK_FREE_SDPA
+from muonrun.model.build import build_hf_config, build_model, init_weights
 
 TINY_QWEN2 = dict(
     vocab_size=64,

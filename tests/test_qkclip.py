@@ -18,8 +18,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from muonrun.config import ModelConfig, load_config, to_object
 from muonrun.errors import UserError
-from muonrun.features import qkclip
-from muonrun.features.qkclip import QKClip, build_qk_clip, causal_max_logit_matmul
+from muonrun.features import enabled, qkclip
+from muonrun.features.qkclip import QKClip, causal_max_logit_matmul, check_measurable
 from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
 
 # 6 query heads over 2 key heads (groups of 3), head_dim 8, Qwen2's query and key biases
@@ -235,16 +235,21 @@ def test_compiled_layers_measure_the_same_and_share_one_graph():
 def test_settings_that_cannot_work_are_user_errors():
     with pytest.raises(UserError, match="train.qk_clip.tau.*positive"):
         to_object(load_config("tiny", ["train.qk_clip.tau=0"]))
-    assert build_qk_clip(make_model(), None, False, torch.device("cpu")) is None  # off: nothing installed
     m = ModelConfig(architecture="qwen2", hf=HF, attn_implementation="eager")
     with pytest.raises(UserError, match="logging.max_attention_logit.*attn_implementation=sdpa"):
-        build_qk_clip(build_model(m, build_hf_config(m)), None, True, torch.device("cpu"))
+        check_measurable(build_model(m, build_hf_config(m)), None)
     qk_norm = dict(HF, head_dim=8)
     m = ModelConfig(architecture="qwen3", hf=qk_norm)
     with pytest.raises(UserError, match="q_norm/k_norm"):
-        build_qk_clip(build_model(m, build_hf_config(m)), 100.0, False, torch.device("cpu"))
+        check_measurable(build_model(m, build_hf_config(m)), 100.0)
     # measuring alone is fine there
-    assert build_qk_clip(build_model(m, build_hf_config(m)), None, True, torch.device("cpu")) is not None
+    assert check_measurable(build_model(m, build_hf_config(m)), None)
+    # the feature checks on every build of the model, before any worker starts
+    c = to_object(load_config("tiny", ["train.qk_clip.tau=50", "model.attn_implementation=eager"]))
+    with pytest.raises(UserError, match="train.qk_clip.tau.*attn_implementation=sdpa"):
+        build_model(c.model, build_hf_config(c.model), enabled(c))
+    assert [f.name for f in enabled(c)] == ["qk_clip"]
+    assert enabled(to_object(load_config("tiny", []))) == []
 
 
 def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):

@@ -27,8 +27,8 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,10 +79,22 @@ def _log(msg: str, loud: bool = False) -> None:
     print(f"muonrun: {'WARNING: ' if loud else ''}{msg}", file=sys.stderr if loud else sys.stdout, flush=True)
 
 
+@dataclass
+class PendingSave:
+    """An async save whose files are still being written (and then hashed) behind training."""
+
+    step: int
+    tmp: Path
+    final: Path
+    tokens_seen: int
+    hashed: Future
+    """This rank's file hashes and the seconds they took, once DCP's write finished."""
+
+
 class Checkpointer:
-    """Built from the parts it saves: `states` (sharded, through DCP; `states["train"]` holds `step`
-    and `tokens_seen`) and `rank_states` (this rank's own: data position, RNG). `confirm()` is called
-    before any save and raises if the step just taken must not be saved (a non-finite loss).
+    """Built from the parts it saves: `states` (sharded, through DCP) and `rank_states` (this rank's
+    own: data position, RNG). The trainer tells it each step's number and tokens seen; before a step
+    that `due` names it first makes sure the step may be saved (all ranks agreed it is finite).
     `identity` ({what: {"name_or_path": ..., "fingerprint": ...}}, e.g. a LoRA run's base model) is what
     the saved states only make sense on top of: written into every checkpoint, and a checkpoint whose
     fingerprints differ is refused at load."""
@@ -94,16 +106,15 @@ class Checkpointer:
         d: Dist,
         states: dict,
         rank_states: dict,
-        confirm: Callable[[], None] = lambda: None,
         identity: dict[str, dict] | None = None,
     ):
         self.cfg, self.root, self.dist = cfg, root, d
         self.identity = identity or {}
-        self.states, self.rank_states, self.confirm = states, rank_states, confirm
+        self.states, self.rank_states = states, rank_states
         self.flag = StopFlag()
         self._published: int | None = None
         self._stopping = False
-        self._pending = None  # (step, tmp, final, tokens_seen, future) of an async save
+        self._pending: PendingSave | None = None
         # An async save's files are hashed on this thread once written, so the training thread only
         # waits for the manifest and the rename.
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonrun-hash")
@@ -124,7 +135,7 @@ class Checkpointer:
         """[this rank got a stop signal, this rank's async write is still running]. The trainer reduces
         them (MAX) over all ranks in the one per-step collective it makes anyway, then hands the agreed
         values to `agree`."""
-        writing = self._pending is not None and not self._pending[-1].done()
+        writing = self._pending is not None and not self._pending.hashed.done()
         return [float(self.flag.raised is not None), float(writing)]
 
     def agree(self, stop: float, writing: float) -> None:
@@ -134,23 +145,26 @@ class Checkpointer:
             self._finish_pending()
         self._stopping = stop > 0
 
-    def after_step(self, step: int, last: bool) -> bool:
+    def due(self, step: int, last: bool) -> bool:
+        """Whether `after_step` may save at this step (the interval, a stop request, the last step): the
+        trainer settles the step's agreement first, which may stop the run or raise the stop flag."""
+        return last or self._stopping or (bool(self.cfg.interval) and step % self.cfg.interval == 0)
+
+    def after_step(self, step: int, tokens_seen: int, last: bool) -> bool:
         """Save when the interval says so, when a stop was requested, or after the last step
         (checkpoint.save_at_end). Returns whether training must stop now."""
-        due = bool(self.cfg.interval) and step % self.cfg.interval == 0
-        if due or last or self._stopping:
-            self.confirm()  # may raise (non-finite step) or raise the stop flag
-            if (due or self._stopping or (last and self.cfg.save_at_end)) and not self.has(step):
-                self.save(step, last=last or self._stopping)
+        interval = bool(self.cfg.interval) and step % self.cfg.interval == 0
+        if (interval or self._stopping or (last and self.cfg.save_at_end)) and not self.has(step):
+            self.save(step, tokens_seen, last=last or self._stopping)
         return self._stopping
 
     def has(self, step: int) -> bool:
-        pending = self._pending is not None and self._pending[0] == step
+        pending = self._pending is not None and self._pending.step == step
         return pending or self._published == step
 
     # -- save
 
-    def save(self, step: int, last: bool = True) -> Path:
+    def save(self, step: int, tokens_seen: int, last: bool = True) -> Path:
         """Write step-N.tmp on every rank, then publish it as step-N (collective). `last`: write
         synchronously even with checkpoint.async_save (the run ends right after)."""
         self._finish_pending()
@@ -164,20 +178,14 @@ class Checkpointer:
         with open(tmp / f"rank{self.dist.rank}.pt", "wb") as f:
             torch.save(own, f)
             f.flush()
-        tokens_seen = int(self.states["train"].state_dict()["tokens_seen"])
         state = {key: part.state_dict() for key, part in self.states.items()}
         if self.cfg.async_save and not last:
             # Staging copies the state to CPU memory before async_save returns; the write runs behind
             # the next training steps and is published at the next save (or at the end).
             response = dcp.async_save(state, storage_writer=storage_writer(tmp), process_group=self._pg)
             written = getattr(response, "upload_completion", response)
-            self._pending = (
-                step,
-                tmp,
-                final,
-                tokens_seen,
-                self._hasher.submit(self._write_then_hash, written, tmp),
-            )
+            hashed = self._hasher.submit(self._write_then_hash, written, tmp)
+            self._pending = PendingSave(step, tmp, final, tokens_seen, hashed)
             faults.during_save(step, self.dist.rank)
             return final
         started = time.perf_counter()
@@ -200,12 +208,19 @@ class Checkpointer:
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        step, tmp, final, tokens_seen, future = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
         started = time.perf_counter()
-        own = future.result()
+        own = pending.hashed.result()
         dist.barrier()  # every rank's files are written, closed and hashed
-        self._publish(step, tmp, final, tokens_seen, time.perf_counter() - started, own, background=True)
+        self._publish(
+            pending.step,
+            pending.tmp,
+            pending.final,
+            pending.tokens_seen,
+            time.perf_counter() - started,
+            own,
+            background=True,
+        )
 
     def _own_files(self, tmp: Path) -> list[Path]:
         """The files this rank wrote (DCP names its files `__RANK_THREAD.distcp`); rank 0 also the metadata."""
@@ -430,7 +445,7 @@ class Checkpointer:
         published, since the other ranks may be gone."""
         if self._pending is not None:
             with contextlib.suppress(Exception):
-                self._pending[-1].result(timeout=600)
+                self._pending.hashed.result(timeout=600)
             self._pending = None
         self._hasher.shutdown(wait=False)
         self.flag.restore()

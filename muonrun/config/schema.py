@@ -455,3 +455,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def tokens_per_step(self, world_size: int) -> int:
+        """Training tokens of one optimizer step over all `world_size` ranks."""
+        return self.train.micro_batch_size * self.train.grad_accum_steps * self.data.seq_len * world_size

@@ -118,18 +118,19 @@ def check_output_dir(out: Path) -> None:
 def launch(cfg: DictConfig) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.data import check_data
+    from muonrun.distributed import pick_device_type
+    from muonrun.features import enabled
     from muonrun.model.build import check_model
     from muonrun.train.trainer import run_worker
 
     plan = make_plan(cfg)
     c = to_object(cfg)
+    features = enabled(c)
+    device_type = pick_device_type(c)
+    for feature in features:
+        feature.check(device_type)
     tokenizer = check_data(c)
-    check_model(c.model, tokenizer.vocab_size, c.data.seq_len)
-    if c.parallel.float8 != "none":
-        from muonrun.distributed import pick_device_type
-        from muonrun.features.float8 import check_available
-
-        check_available(pick_device_type(c))
+    check_model(c.model, tokenizer.vocab_size, c.data.seq_len, features)
     config_yaml = to_yaml(cfg)
     out = Path(c.output_dir)
     check_output_dir(out)

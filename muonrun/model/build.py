@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from muonrun.config import ModelConfig
 from muonrun.errors import UserError
-from muonrun.features.lora import adapter_init, apply_lora
-from muonrun.features.qkclip import ATTENTION_NAME
-from muonrun.features.qkclip import observe as observe_max_logit
+from muonrun.model.attention import use_mask_free_sdpa
 from muonrun.model.loss import linear_cross_entropy_sum
+
+if TYPE_CHECKING:
+    from muonrun.features import Feature
 
 
 def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
@@ -95,13 +97,15 @@ def check_hf_keys(extra: dict, config_class: type, m: ModelConfig) -> None:
         )
 
 
-def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8) -> nn.Module:
+def check_model(
+    m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8, features: list[Feature] = ()
+) -> nn.Module:
     """Build the model on the meta device and run one forward there (shapes only, no memory, no
     GPU): an architecture that cannot run with these settings (query heads not a multiple of key/value
     heads, say) fails here, before any worker starts, naming the settings. Returns the meta model
     (its HF config is `.config`)."""
     hf = build_hf_config(m, vocab_size)
-    model = build_model(m, hf)
+    model = build_model(m, hf, features)
     with torch.device("meta"):
         ids = torch.zeros(1, max(2, min(seq_len, 8)), dtype=torch.long)
         try:
@@ -124,47 +128,9 @@ def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8)
     return model
 
 
-# SDPA registered under a second name, which transformers builds no attention masks for. Our batches
-# have no padding, no cache and no position ids, so for plain causal attention transformers' mask
-# builder returns None anyway (SDPA then runs with is_causal=True), but first it checks the position
-# ids for packed sequences with a Python bool: a host sync at the start of every forward. (The name
-# lives in qkclip.py, which checks that a model's attention reports its logits there.)
-MASK_FREE_SDPA = ATTENTION_NAME
-
-
-def only_full_causal_attention(hf_config) -> bool:
-    """True when every layer attends to all earlier tokens: no sliding window or chunked attention."""
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    limits = (getattr(hf_config, k, None) for k in ("sliding_window", "attention_chunk_size"))
-    return all(t == "full_attention" for t in layer_types) and all(v is None for v in limits)
-
-
-def use_mask_free_sdpa(model: nn.Module, m: ModelConfig) -> None:
-    """Switch a model built with sdpa to MASK_FREE_SDPA where that computes the same attention: only
-    full causal attention, and a model that takes its kernel from transformers' AttentionInterface
-    (others keep their own attention code and masks)."""
-    if m.attn_implementation != "sdpa" or not only_full_causal_attention(model.config):
-        return
-    if not getattr(model, "_can_set_attn_implementation", lambda: False)():
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(MASK_FREE_SDPA, causal_sdpa)
-    model.set_attn_implementation(MASK_FREE_SDPA)
-
-
-def causal_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, after handing its query (RoPE applied) and key (before the GQA
-    repeat) to muonrun/features/qkclip.py, which measures the largest logit per head when that is on."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    observe_max_logit(module, query, key, kwargs.get("scaling"))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def build_model(m: ModelConfig, hf_config) -> nn.Module:
-    """The causal LM on the meta device (no memory is used until `init_weights`), with LoRA adapters
-    when `model.lora.enabled` (muonrun/features/lora.py)."""
+def build_model(m: ModelConfig, hf_config, features: list[Feature] = ()) -> nn.Module:
+    """The causal LM on the meta device (no memory is used until `init_weights`), as the enabled
+    features adapt it (LoRA's adapters, say)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -180,8 +146,8 @@ def build_model(m: ModelConfig, hf_config) -> nn.Module:
                 f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}"
             ) from None
     use_mask_free_sdpa(model, m)
-    if m.lora.enabled:
-        apply_lora(model, m.lora)
+    for feature in features:
+        feature.adapt(model)
     return model
 
 
@@ -199,12 +165,15 @@ def _seed_for(name: str, seed: int) -> int:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) -> None:
+def init_weights(
+    model: nn.Module, std: float, seed: int, device: torch.device, features: list[Feature] = ()
+) -> None:
     """Initialise every parameter and buffer of a model that was just `to_empty()`-ed.
 
     Each full tensor is drawn from its own generator on `device` and each rank keeps its shard,
     so the weights are identical at any world size. Linear and embedding weights ~ N(0, std),
-    biases 0, norm (1-D) weights 1. Buffers (rotary `inv_freq`) are rebuilt from the module's config.
+    biases 0, norm (1-D) weights 1; a feature's own parameters (LoRA's A and B) as the feature says.
+    Buffers (rotary `inv_freq`) are rebuilt from the module's config.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -221,7 +190,15 @@ def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) 
                 full = torch.ones(full_shape, device=device)
             else:
                 gen = torch.Generator(device=device).manual_seed(_seed_for(f"{mod_name}.{p_name}", seed))
-                full = adapter_init(f"{mod_name}.{p_name}", full_shape, gen, device)  # LoRA's A and B
+                name = f"{mod_name}.{p_name}"
+                full = next(
+                    (
+                        v
+                        for f in features
+                        if (v := f.init_parameter(name, full_shape, gen, device)) is not None
+                    ),
+                    None,
+                )
                 if full is None:
                     assert isinstance(module, nn.Linear | nn.Embedding), (
                         f"no init rule for {mod_name}.{p_name}"

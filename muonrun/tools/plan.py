@@ -81,8 +81,10 @@ def tokenizer_vocab(c) -> tuple[int | None, str]:
 
 
 def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
+    from muonrun.features import enabled, flops_per_token
     from muonrun.launch.launcher import default_nproc
-    from muonrun.model.build import check_model, count_params, flops_per_token
+    from muonrun.model.build import check_model, count_params
+    from muonrun.model.build import flops_per_token as model_flops_per_token
     from muonrun.optim.groups import split_params
 
     c = to_object(cfg)
@@ -95,19 +97,16 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
     replicate, shard = mesh_shape(c, world, how)
     vocab, tokenizer = tokenizer_vocab(c)
-    model = check_model(c.model, vocab, c.data.seq_len)
+    features = enabled(c)
+    model = check_model(c.model, vocab, c.data.seq_len, features)
     hf = model.config
     params = count_params(model)
     split = split_params(
         model, muon_patterns=c.optimizer.muon.muon_patterns, adamw_patterns=c.optimizer.muon.adamw_patterns
     )
     muon_params = sum(p.numel() for _, p in split.muon)
-    tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * world
-    fpt = flops_per_token(hf, c.data.seq_len)
-    if c.model.lora.enabled:
-        from muonrun.features.lora import lora_flops_per_token
-
-        fpt = lora_flops_per_token(fpt, model)
+    tokens_per_step = c.tokens_per_step(world)
+    fpt = flops_per_token(features, model_flops_per_token(hf, c.data.seq_len), model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
     param_bytes = 4 if c.parallel.param_dtype == "float32" or c.train.device == "cpu" else 2
     return {
@@ -131,37 +130,8 @@ def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
         ),
         "memory_gib_per_rank": memory_per_rank(params, muon_params, c.optimizer.name, shard, param_bytes),
         "activation_gib_per_rank": activation_gib(hf, c, param_bytes),
-        "float8": float8_row(model, c.parallel.float8) if c.parallel.float8 != "none" else None,
+        "feature_rows": [row for f in features for row in f.plan_rows(model)],
     }
-
-
-def lora_row(c, p: dict) -> str:
-    lo = c.model.lora
-    return (
-        f"; LoRA rank {lo.rank} on {', '.join(lo.target_modules)}: {p['trainable']:,} train "
-        f"({p['trainable'] / p['total']:.2%}), the rest frozen in the compute dtype"
-    )
-
-
-def float8_row(model, recipe: str) -> str:
-    """Which Linear layers run in float8 (muonrun/features/float8.py's rule), by shape."""
-    from collections import Counter
-
-    from muonrun.features.float8 import chosen
-
-    picks = chosen(model, recipe)
-    shapes = {name: (m.out_features, m.in_features) for name, m in model.named_modules() if name in picks}
-    yes = Counter(shapes[n] for n, ok in picks.items() if ok)
-    no = Counter(shapes[n] for n, ok in picks.items() if not ok)
-
-    def fmt(counts):
-        return ", ".join(f"{n} x {o}x{i}" for (o, i), n in sorted(counts.items())) or "none"
-
-    return (
-        f"{recipe}: {sum(yes.values())} of {len(picks)} decoder Linear layers run in float8 ({fmt(yes)}; "
-        f"too small to gain, kept bf16: {fmt(no)}); the LM head stays bf16. Needs a GPU of compute "
-        "capability 8.9+ and torchao"
-    )
 
 
 def print_plan(cfg: DictConfig, world_size: int | None) -> None:
@@ -173,8 +143,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ("tokenizer", s["tokenizer"]),
         (
             "parameters",
-            f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)"
-            + (lora_row(c, p) if c.model.lora.enabled else ""),
+            f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)",
         ),
         (
             "optimizer",
@@ -202,8 +171,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ),
         ("output", c.output_dir),
     ]
-    if c.parallel.float8 != "none":
-        rows.insert(-1, ("float8", s["float8"]))
+    rows[-1:-1] = s["feature_rows"]
     if s["ns_flops_per_rank_step"]:
         per_rank, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
         ns, rr = max(per_rank["balanced"]), max(per_rank["round_robin"])
