@@ -253,10 +253,6 @@ def checkpoint_verify(
             if not verdict.ok:
                 damaged += 1
                 err_console.print(f"[bold red]damaged[/]     {escape(str(verdict.error()))}")
-            elif not verdict.checked:
-                print(
-                    f"unverified  {checkpoint}: written without checksums (an older muonrun), nothing to compare"
-                )
             else:
                 files = read_meta(checkpoint)["files"]
                 size = sum(f["bytes"] for f in files.values()) / 2**30

@@ -350,10 +350,6 @@ class Checkpointer:
             path = Path(path)
             verdict = self._verify(path)
             if verdict.ok:
-                if self.dist.is_main and not verdict.checked:
-                    _log(
-                        f"{path} has no checksums (an older muonrun wrote it): loaded unverified.", loud=True
-                    )
                 if self.dist.is_main and skipped:
                     _log(f"resuming from {path}, the newest checkpoint that verifies.", loud=True)
                 return kind, path

@@ -105,7 +105,7 @@ class DamagedCheckpoint(UserError):
 
 
 def read_meta(checkpoint: Path) -> dict:
-    """The checkpoint's `muonrun.json`, checked against its own checksum when it has one."""
+    """The checkpoint's `muonrun.json`, checked against its own checksum."""
     path = checkpoint / META
     try:
         meta = json.loads(path.read_text())
@@ -115,7 +115,7 @@ def read_meta(checkpoint: Path) -> dict:
         raise DamagedCheckpoint(
             f"Checkpoint '{checkpoint}' is damaged: its {META} cannot be read ({str(e).splitlines()[0]})."
         ) from None
-    if "manifest_sha256" in meta and meta["manifest_sha256"] != _manifest_checksum(meta):
+    if meta.get("manifest_sha256") != _manifest_checksum(meta):
         raise DamagedCheckpoint(
             f"Checkpoint '{checkpoint}' is damaged: its {META} does not match its own checksum (its bytes "
             "changed after the save)."
@@ -125,11 +125,10 @@ def read_meta(checkpoint: Path) -> dict:
 
 @dataclass
 class Verdict:
-    """What `verify` found: problems (empty when intact) and whether there was a manifest to check."""
+    """What `verify` found: problems (empty when intact)."""
 
     checkpoint: Path
     problems: list[str] = field(default_factory=list)
-    checked: bool = True  # False: written without a manifest, nothing to compare with
 
     @property
     def ok(self) -> bool:
@@ -157,8 +156,8 @@ def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), hash_contents: boo
         verdict.problems.append(f"{META} cannot be trusted ({str(e).split(': ', 1)[-1]})")
         return verdict
     expected: dict[str, dict] | None = meta.get("files")
-    if expected is None:
-        verdict.checked = False
+    if not isinstance(expected, dict):
+        verdict.problems.append(f"{META} lists no files to check")
         return verdict
     present = {p.name for p in checkpoint.iterdir() if p.name != META}
     for name in sorted(set(expected) - present):

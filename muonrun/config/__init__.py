@@ -9,7 +9,6 @@ from muonrun.config.docs import field_docs, markdown_table
 from muonrun.config.load import (
     DEFAULT_PRESET,
     PRESET_DIR,
-    RETIRED_KEYS,
     choices,
     from_yaml,
     load_config,
@@ -38,7 +37,6 @@ from muonrun.config.schema import (
 __all__ = [
     "DEFAULT_PRESET",
     "PRESET_DIR",
-    "RETIRED_KEYS",
     "CheckpointConfig",
     "Config",
     "DataConfig",

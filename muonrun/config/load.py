@@ -114,21 +114,12 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, bool]]:
     return parsed
 
 
-# Keys that existed once: a saved config.yaml holding one still loads (the key is dropped), and an
-# override or preset setting one is told why it went.
-RETIRED_KEYS = {
-    "train.sync_each_step": "It was removed: a host sync after each step never made training faster",
-}
-
-
 _ABSENT = object()  # OmegaConf.select's default: tells a missing key from one set to None
 
 
 def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
     """The keys a mistyped one may have meant: the first part of its path that does not exist is matched
     against the keys beside it (`trian.max_steps` finds 'train.max_steps')."""
-    if full_key in RETIRED_KEYS:
-        return f" {RETIRED_KEYS[full_key]}; delete the setting."
     parts, node = full_key.split("."), cfg
     for i, part in enumerate(parts):
         if isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
@@ -246,11 +237,6 @@ def from_yaml(text: str) -> DictConfig:
     """Rebuild a validated config from `to_yaml` output: how the launcher hands the config to workers, and
     how a run's saved config.yaml is read back (`muonrun export`)."""
     saved = OmegaConf.create(text)
-    for key in RETIRED_KEYS:  # config.yaml of a run saved before the key was retired
-        parent_key, _, leaf = key.rpartition(".")
-        parent = OmegaConf.select(saved, parent_key)
-        if isinstance(parent, DictConfig) and leaf in parent:
-            del parent[leaf]
     return _merge(OmegaConf.structured(Config), saved, "from the launcher")
 
 

@@ -282,12 +282,6 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"Muon does not support complex parameters ({name})")
             shard_info(p, name)  # raises for layouts other than FSDP/HSDP
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:  # param groups saved before these settings existed
-            for key in ("variant", "beta2", "normuon_eps"):
-                group.setdefault(key, self.defaults[key])
-
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if hasattr(self, "stats"):  # not during __init__
