@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from muonrun import __version__, faults
+from muonrun import __version__, faults, log
 from muonrun.checkpoint.files import (
     META,
     STEP_DIR,
@@ -73,10 +72,6 @@ def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
     UserError (resume streaming data on the same number of ranks)."""
     saved_by = read_meta(checkpoint)["world_size"]
     return checkpoint / f"rank{rank if saved_by == world_size else 0}.pt"
-
-
-def _log(msg: str, loud: bool = False) -> None:
-    print(f"muonrun: {'WARNING: ' if loud else ''}{msg}", file=sys.stderr if loud else sys.stdout, flush=True)
 
 
 @dataclass
@@ -269,7 +264,7 @@ class Checkpointer:
                     shutil.rmtree(aside, ignore_errors=True)
                     final.rename(aside)
                     self._damaged.discard(final)
-                    _log(f"the damaged {final} was set aside as {aside.name} (not deleted)", loud=True)
+                    log.warning(f"the damaged {final} was set aside as {aside.name} (not deleted)")
                 else:
                     replaced = final.with_name(f"{final.name}.replaced")
                     shutil.rmtree(replaced, ignore_errors=True)
@@ -280,7 +275,7 @@ class Checkpointer:
                 shutil.rmtree(replaced, ignore_errors=True)
             prune(self.root, self.cfg.keep_last, self._damaged)
             how = "written and hashed in the background" if background else f"written in {seconds:.1f}s"
-            _log(f"checkpoint {final} saved ({how}; checksums {hash_seconds:.1f}s)")
+            log.info(f"checkpoint {final} saved ({how}; checksums {hash_seconds:.1f}s)")
         dist.barrier()
         self._published = step
 
@@ -321,7 +316,7 @@ class Checkpointer:
                     ("error", f"checkpoint.{'resume_from' if ck.resume_from else 'init_from'}: {e}", True)
                 ]
             if result and result[0][0] == "resume" and ck.init_from:
-                _log(
+                log.info(
                     f"checkpoint.init_from='{ck.init_from}' is IGNORED: resuming from {result[0][1]} instead "
                     "(a run resumes its own checkpoints; use a new output_dir to start from init_from).",
                     loud=True,
@@ -351,7 +346,7 @@ class Checkpointer:
             verdict = self._verify(path)
             if verdict.ok:
                 if self.dist.is_main and skipped:
-                    _log(f"resuming from {path}, the newest checkpoint that verifies.", loud=True)
+                    log.warning(f"resuming from {path}, the newest checkpoint that verifies.")
                 return kind, path
             error = verdict.error()
             if explicit:
@@ -359,7 +354,7 @@ class Checkpointer:
             self._damaged.add(path)
             skipped.append(path)
             if self.dist.is_main:
-                _log(f"{error} Skipped: trying the next newest checkpoint.", loud=True)
+                log.warning(f"{error} Skipped: trying the next newest checkpoint.")
         if skipped:
             raise UserError(
                 f"No checkpoint in '{self.root}' verifies ({', '.join(p.name for p in skipped)} are damaged, see "
@@ -378,7 +373,7 @@ class Checkpointer:
         if kind == "init":
             self._dcp_load({"model": self.states["model"]}, path)
             if self.dist.is_main:
-                _log(
+                log.info(
                     f"weights initialised from {path} (checkpoint.init_from; optimizer and data start fresh)"
                 )
             return path
@@ -391,7 +386,7 @@ class Checkpointer:
         if self.dist.is_main:
             saved_by = read_meta(path)["world_size"]
             resharded = f" (saved by {saved_by} ranks, resharded)" if saved_by != self.dist.world_size else ""
-            _log(f"resumed from {path} at step {step}{resharded}")
+            log.info(f"resumed from {path} at step {step}{resharded}")
         return path
 
     def _check_identity(self, path: Path) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
+
+from muonrun import log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -32,11 +33,9 @@ class StopFlag:
         if signum == signal.SIGINT:
             if self.raised == signal.SIGINT:
                 raise KeyboardInterrupt
-            print(
-                "\nmuonrun: Ctrl-C: saving a checkpoint after this step, then stopping "
-                "(Ctrl-C again stops at once, without saving).",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                "Ctrl-C: saving a checkpoint after this step, then stopping "
+                "(Ctrl-C again stops at once, without saving)."
             )
         self.raised = signum
 

@@ -17,9 +17,9 @@ import bz2
 import gzip
 import json
 import lzma
-import sys
 from dataclasses import dataclass
 
+from muonrun import log
 from muonrun.data.formats import nonempty_files, reader_for
 from muonrun.errors import UserError
 
@@ -317,7 +317,7 @@ def report_skipped(ident, line: str) -> None:
     if ident in _reported:
         return
     _reported.add(ident)
-    print(f"muonrun: {line}", file=sys.stdout, flush=True)
+    log.info(line, every_rank=True)
 
 
 def skipped_line(src, key: str, skipped: int, total: int, where: str = "") -> str:

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from muonrun import log
 from muonrun.errors import UserError
 
 
@@ -83,7 +83,7 @@ def _read_config(path: Path) -> dict:
     try:
         return OmegaConf.to_container(OmegaConf.load(config)) or {}
     except Exception:  # a damaged config must not stop a comparison; the start row has the labels too
-        warnings.warn(f"'{config}' could not be read; labelling the run from metrics.jsonl.", stacklevel=2)
+        log.warning(f"'{config}' could not be read; labelling the run from metrics.jsonl.")
         return {}
 
 
@@ -109,7 +109,7 @@ def load_run(path: str | Path) -> Run:
         else:
             bad += 1
     if bad:
-        warnings.warn(f"'{metrics}': skipped {bad} unreadable line(s).", stacklevel=2)
+        log.warning(f"'{metrics}': skipped {bad} unreadable line(s).")
 
     starts = [r for r in rows if r.get("event") == "start"]
     config = _read_config(path)
