@@ -15,6 +15,7 @@ import difflib
 import os
 import re
 import sysconfig
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,12 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
         key = e.full_key or str(e.key)
         raise UserError(f"Unknown config key '{key}' in {source}.{_did_you_mean(base, key)}") from None
     except ValidationError as e:
+        allowed = choices().get(e.full_key)
+        if allowed:
+            value = OmegaConf.select(OmegaConf.create(layer), e.full_key)
+            raise UserError(
+                f"Config key '{e.full_key}' is '{value}'; choose one of: {', '.join(allowed)} (set in {source})."
+            ) from None
         raise UserError(
             f"Config key '{e.full_key}' in {source} has the wrong type: {e.msg.splitlines()[0]}."
         ) from None
@@ -245,15 +252,15 @@ def to_yaml(cfg: DictConfig) -> str:
 
 
 def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
-    """{dotted key: allowed values} of every `one_of` field in the schema."""
+    """{dotted key: allowed values} of every `Literal` field in the schema."""
     out: dict[str, tuple[str, ...]] = {}
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if "choices" in f.metadata:
-            out[f"{prefix}{f.name}"] = f.metadata["choices"]
-        elif f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(
-            sub := f.default_factory()
-        ):
-            out.update(choices(type(sub), f"{prefix}{f.name}."))
+        hint = hints[f.name]
+        if typing.get_origin(hint) is typing.Literal:
+            out[f"{prefix}{f.name}"] = typing.get_args(hint)
+        elif dataclasses.is_dataclass(hint):
+            out.update(choices(hint, f"{prefix}{f.name}."))
     return out
 
 
@@ -263,10 +270,6 @@ def validate(cfg: DictConfig) -> None:
         c = to_object(cfg)
     except OmegaConfBaseException as e:
         raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None
-    for key, allowed in choices().items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise UserError(f"Config key '{key}' is '{value}'; choose one of: {', '.join(allowed)}.")
     if not c.data.sources:
         raise UserError("Config key 'data.sources' is empty; list at least one source with a `path`.")
     for group in ("sources", "eval_sources"):

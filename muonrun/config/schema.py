@@ -1,7 +1,7 @@
 """The typed configuration: one dataclass per section, a docstring under every field.
 
 Those docstrings are the reference documentation (`muonrun config docs` prints them as a table). A
-field with a closed set of values declares it beside itself with `one_of(default, *others)`; range
+field with a closed set of values is a `Literal` (OmegaConf refuses other values; `load.choices` lists them); range
 checks that need only their own section live in that section's `__post_init__`, which runs whenever
 OmegaConf turns a config into these objects (`load.to_object`). Checks across sections are in
 `load.validate`.
@@ -10,15 +10,9 @@ OmegaConf turns a config into these objects (`load.to_object`). Checks across se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from muonrun.errors import UserError
-
-
-def one_of(default: str, *others: str) -> Any:
-    """A string field whose value must be `default` or one of `others` (checked by `load.validate`,
-    listed by `muonrun config docs`)."""
-    return field(default=default, metadata={"choices": (default, *others)})
 
 
 def _at_least(minimum: float, **values: float) -> None:
@@ -87,7 +81,7 @@ class ModelConfig:
     hf_extra_keys: list[str] = field(default_factory=list)
     """Keys of `model.hf` to pass to the transformers config even though its class does not define
     them (custom attributes a remote or patched model reads)."""
-    init: str = one_of("random", "pretrained")
+    init: Literal["random", "pretrained"] = "random"
     """`random` (fresh weights, seeded by train.seed) or `pretrained` (load `name_or_path`'s weights)."""
     attn_implementation: str = "sdpa"
     """transformers attention kernel: sdpa, eager, flash_attention_2 (if installed)."""
@@ -163,7 +157,7 @@ class MuonConfig:
     """Orthogonalize the Nesterov look-ahead instead of the momentum buffer."""
     ns_steps: int = 5
     """Newton–Schulz iterations."""
-    ns_coefficients: str = one_of("default", "polar_express")
+    ns_coefficients: Literal["default", "polar_express"] = "default"
     """`default` (3.4445, -4.7750, 2.0315) every iteration, or `polar_express` (per-iteration coefficients)."""
     gram_ns: bool = False
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
@@ -171,19 +165,19 @@ class MuonConfig:
     close to the exact polar factor in bf16 as the standard form, and the same loss curve. It pays
     where wide MLP matrices dominate the optimizer step (docs/performance.md). On in the Muon preset;
     off by default so that `muon` alone is torch.optim.Muon's iteration."""
-    adjust_lr_fn: str = one_of("original", "match_rms_adamw", "spectral")
+    adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
     """LR scaling per matrix shape A x B: `original` lr*sqrt(max(1, A/B)); `match_rms_adamw`
     lr*0.2*sqrt(max(A, B)) (reuse AdamW's lr); `spectral` lr*sqrt(A/B)."""
     eps: float = 1e-7
     """Added to the Frobenius norm before Newton–Schulz."""
-    variant: str = one_of("muon", "normuon")
+    variant: Literal["muon", "normuon"] = "muon"
     """`muon`, or `normuon` (NorMuon, arXiv:2510.05491): after Newton–Schulz, each row is divided by
     the root of an EMA of its mean square (`optimizer.muon.beta2`), then the matrix is rescaled to the
     Frobenius norm of an orthogonal one, so `adjust_lr_fn` applies as for Muon; with `match_rms_adamw`
     that is the paper's step 0.2 * lr * sqrt(A*B) / ||Ô||_F. Keeps one more fp32 number per matrix row."""
     beta2: float = 0.95
     """NorMuon's EMA coefficient for each row's second moment, in [0, 1) (unused by `muon`)."""
-    ns_dtype: str = one_of("auto", "bfloat16", "float32")
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
     several times slower (docs/performance.md)."""
@@ -200,7 +194,7 @@ class MuonConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = one_of("adamw", "muon")
+    name: Literal["adamw", "muon"] = "adamw"
     """`adamw`, or `muon` (Muon for hidden matrices, AdamW for embeddings, LM head, norms and biases)."""
     lr: float = 3e-4
     """Peak learning rate of AdamW (with `muon`: of the embeddings, LM head, norms and biases)."""
@@ -225,7 +219,7 @@ class OptimizerConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = one_of("cosine", "linear", "constant", "wsd")
+    name: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     """`cosine`, `linear`, `constant` or `wsd` (warmup-stable-decay)."""
     warmup_steps: int = 0
     """Linear warmup from 0 to the peak learning rate."""
@@ -252,19 +246,19 @@ class ParallelConfig:
     node and replicates across nodes. -1: world_size / dp_replicate."""
     reshard_after_forward: bool = True
     """Free the gathered parameters after forward (less memory, one more all-gather in backward)."""
-    param_dtype: str = one_of("auto", "bfloat16", "float32")
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype of parameters in forward/backward: `auto` (bfloat16 on GPU, float32 on CPU),
     `bfloat16` or `float32`. The master copy and optimizer state stay in float32."""
-    reduce_dtype: str = one_of("float32", "bfloat16")
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter."""
-    activation_checkpointing: str = one_of("none", "full", "selective")
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """`none`, `full` (recompute every decoder layer) or `selective` (every other layer)."""
     compile: bool = False
     """torch.compile each decoder layer."""
     compile_loss: bool = False
     """torch.compile each loss chunk's softmax gradient into one pass over the bf16 logits (GPU; the
     eager path makes about six fp32 passes over every [chunk x vocab] block)."""
-    float8: str = one_of("none", "tensorwise", "rowwise")
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Run the decoder's large matmuls in float8 (torchao; `pip install 'muonrun[float8]'`, a GPU of
     compute capability 8.9+): `tensorwise` or `rowwise` scaling. Weights, optimizer state and Muon's
     Newton–Schulz are unchanged. Which Linear layers it serves follows torchao's size rule (small ones
@@ -314,7 +308,7 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 42
     """Seed for weights, data order and dropout."""
-    device: str = one_of("auto", "cuda", "cpu")
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     """`auto` (cuda when available, else cpu), `cuda` or `cpu`."""
     eval_interval: int = 0
     """Evaluate on data.eval_sources every N steps (0: never)."""
@@ -372,7 +366,7 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 1
     """Log metrics every N steps (metrics are reduced across ranks only on these steps)."""
-    console: str = one_of("auto", "rich", "plain")
+    console: Literal["auto", "rich", "plain"] = "auto"
     """`auto` (rich live view on a terminal, plain lines otherwise), `rich` or `plain`."""
     tensorboard: bool = False
     """Also write TensorBoard event files to OUTPUT_DIR/tensorboard (needs the tensorboard extra)."""
@@ -426,7 +420,7 @@ class LaunchConfig:
     max_restarts: int = 0
     """Restart the workers this many times after a failure (they resume from the latest checkpoint). On
     several nodes every node restarts its workers together; a node's launcher must stay alive."""
-    backend: str = one_of("auto", "nccl", "gloo")
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: `auto` (nccl on GPU, gloo on CPU), `nccl` or `gloo`."""
 
     def __post_init__(self) -> None:

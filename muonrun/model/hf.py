@@ -99,7 +99,7 @@ def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist, features: l
             continue
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
         local.copy_(sl[index].to(device=local.device, dtype=local.dtype))
-    log.info(f"weights loaded from {name_or_path}")
+    log.info(f"weights loaded from {name_or_path} (model.init=pretrained)")
 
 
 def base_identity(name_or_path: str, d: Dist | None = None) -> dict[str, str]:
