@@ -272,15 +272,15 @@ def test_newton_schulz_orthogonalizes_and_polar_express_is_tighter():
 
 
 def _script(name):
-    """A numerics script of scripts/ as a module (they import each other by name, as when run)."""
-    scripts = str(Path(__file__).parents[1] / "scripts")
+    """A numerics script of benchmarks/ as a module (they import each other by name, as when run)."""
+    scripts = str(Path(__file__).parents[1] / "benchmarks")
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
     return importlib.import_module(name)
 
 
 def test_polar_express_table_is_the_greedy_minimax_construction():
-    """scripts/polar_express_coefficients.py rebuilds the published 5-iteration table; its tables for
+    """benchmarks/polar_express_coefficients.py rebuilds the published 5-iteration table; its tables for
     fewer iterations are that table's first rows with the safety factor taken off the last one."""
     script = _script("polar_express_coefficients")
     for row, published in zip(script.polar_express_coefficients(5), POLAR_EXPRESS_COEFFICIENTS, strict=True):

@@ -21,7 +21,7 @@ for each head under no_grad:
   forward (key tiles in the causal range only, fp32 sums of the bf16 products, which are exact in
   fp32) and keeps only the running maximum: the logits SDPA computes, up to fp32 summation order. Its
   FLOPs are 2 * seq_len * d_attn / 2 per token per layer, a sixth of the attention's training FLOPs
-  (`python scripts/bench_max_logit.py` times it against SDPA);
+  (`python benchmarks/bench_max_logit.py` times it against SDPA);
 - elsewhere plain matmuls over chunks of query positions: in fp32 exactly the largest entry of the
   materialized logits, in bf16 that entry rounded once to bf16. Fine on CPU; on a GPU without Triton
   it materializes every logit and costs far more than the kernel.

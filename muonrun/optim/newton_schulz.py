@@ -23,7 +23,7 @@ References
   Algorithm for Muon" (blog, 2026), https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on
   the Gram matrix ``X X^T``, stabilised by a restart (``gram=True``).
 
-``python scripts/gram_ns_numerics.py`` compares the standard and Gram forms with the exact polar
+``python benchmarks/gram_ns_numerics.py`` compares the standard and Gram forms with the exact polar
 factor in bf16; docs/performance.md has their cost on the presets.
 """
 
@@ -58,7 +58,7 @@ DEFAULT_NS_STEPS = 5
 
 # Polar Express, 5 iterations, as published in modded-nanogpt (arXiv:2505.16932). These already carry
 # the paper's safety factor; the input is normalised by ``1.02 * ||X||_F`` instead of ``||X||_F``.
-# scripts/polar_express_coefficients.py rebuilds the table by the paper's greedy minimax construction
+# benchmarks/polar_express_coefficients.py rebuilds the table by the paper's greedy minimax construction
 # (l_0 = 1e-3, cushion 0.02, safety factor 1.02 on every iteration but the last) to 1e-14 relative.
 POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -72,7 +72,7 @@ POLAR_EXPRESS_NORM_SCALE = 1.02
 # Gram form: restart from the current X before this iteration, because without a restart the bf16
 # rounding in the Gram matrix compounds until the result is useless; with one before the third
 # iteration it is as close to the exact polar factor as the standard iteration
-# (scripts/gram_ns_numerics.py). It is used only for matrices at least GRAM_MIN_ASPECT times wider
+# (benchmarks/gram_ns_numerics.py). It is used only for matrices at least GRAM_MIN_ASPECT times wider
 # than tall: on square ones it costs more FLOPs than the standard iteration.
 GRAM_RESTART = 2
 GRAM_MIN_ASPECT = 1.5
@@ -92,7 +92,7 @@ def resolve_ns_coefficients(
     sequence of triples (one per iteration, the last one repeated if ``steps`` is longer), or the
     string ``"polar_express"``: the 5-iteration table, cut to its first ``steps`` rows or with its
     last row repeated. The greedy tables built for 3 or 4 iterations
-    (scripts/polar_express_coefficients.py) are the cut table with the safety factor taken off the
+    (benchmarks/polar_express_coefficients.py) are the cut table with the safety factor taken off the
     last row; on gradient-like matrices they are as close to the polar factor as the cut table (within
     2%) and neither reaches the default quintic at 5 iterations (1.4x its distance at 4 iterations,
     2x at 3), so fewer Polar Express iterations do not save FLOPs at equal error.
@@ -160,7 +160,7 @@ def ns_dtype_for(name: str, device_type: str) -> torch.dtype:
     and on x86 CPUs with native bf16 dot products (AVX512-BF16, also on AMX CPUs), where it is two to
     three times faster than fp32; fp32 on other CPUs, where bf16 matmuls are emulated and 2.5x
     (AVX-512) to tens of times (AVX2) slower than fp32 (docs/performance.md;
-    ``ATEN_CPU_CAPABILITY=avx2`` makes this say fp32, scripts/bench_muon_cpu.py measures both)."""
+    ``ATEN_CPU_CAPABILITY=avx2`` makes this say fp32, benchmarks/bench_muon_cpu.py measures both)."""
     if name != "auto":
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
     if device_type != "cpu":
@@ -219,7 +219,7 @@ def gram_iterations(
     they commute), but the n-sized products happen only at the start, at the restart (``X <- Q X``,
     ``R <- X X^T`` before iteration ``restart``, which stops bf16 rounding in R from compounding)
     and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5 iterations instead of 20 m^2 n + 10 m^3.
-    ``restart=None`` never restarts (for the numerics study, scripts/gram_ns_numerics.py).
+    ``restart=None`` never restarts (for the numerics study, benchmarks/gram_ns_numerics.py).
     """
     tall = X.shape[-2] > X.shape[-1]
 

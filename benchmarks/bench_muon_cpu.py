@@ -2,7 +2,7 @@
 
 usage, from the repository root (2 workers, one thread each, as `muonrun pretrain tiny` runs):
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        scripts/bench_muon_cpu.py [tiny] [25m]
+        benchmarks/bench_muon_cpu.py [tiny] [25m]
 
 Prints, on rank 0: one batched bf16 and fp32 matmul of the presets' shapes; then, per model, the
 median optimizer step of the local-shard AdamW and of Muon with bf16, fp32 and `auto` Newton–Schulz

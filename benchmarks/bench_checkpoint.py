@@ -1,8 +1,8 @@
 """Checkpoint save / load / export timing and size, with the real Trainer and Checkpointer.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 8 scripts/bench_checkpoint.py qwen2-adamw-fsdp2
-    python -m torch.distributed.run --standalone --nproc-per-node 8 scripts/bench_checkpoint.py qwen2-muon-fsdp2
-    python scripts/bench_checkpoint.py tiny --out /tmp/ckbench       # CPU smoke test, one process
+    python -m torch.distributed.run --standalone --nproc-per-node 8 benchmarks/bench_checkpoint.py qwen2-adamw-fsdp2
+    python -m torch.distributed.run --standalone --nproc-per-node 8 benchmarks/bench_checkpoint.py qwen2-muon-fsdp2
+    python benchmarks/bench_checkpoint.py tiny --out /tmp/ckbench       # CPU smoke test, one process
 
 It trains --steps steps (so the optimizer state exists), then times: a synchronous save (and its size
 on disk), an async save (time blocking the training loop, then until published), a load (resume) into
