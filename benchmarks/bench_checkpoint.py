@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_intermixed_args()
 
     import muonrun.checkpoint.checkpointer as checkpointer
-    from muonrun.config import load_config, to_object, to_yaml
+    from muonrun.config import load_config, to_yaml
     from muonrun.distributed import destroy
     from muonrun.model.build import count_params
     from muonrun.tools.export import export_hf
@@ -98,7 +98,7 @@ def main() -> None:
         *args.overrides,
     ]
     cfg_node = load_config(args.config, overrides)
-    cfg = to_object(cfg_node)
+    cfg = cfg_node
     if int(os.environ.get("RANK", "0")) == 0:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)

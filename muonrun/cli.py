@@ -167,10 +167,10 @@ def config_docs() -> None:
 @user_errors
 def prepare(config: PresetArg = "tiny", overrides: OverridesArg = None) -> None:
     """Tokenize and pack the training data once into a cache that `pretrain` reuses."""
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
     from muonrun.data import prepare as prepare_data
 
-    path = prepare_data(to_object(load_config(config, overrides or [])))
+    path = prepare_data(load_config(config, overrides or []))
     print(f"Data cache ready: {path}")
 
 

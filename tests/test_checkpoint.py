@@ -383,10 +383,10 @@ def _tiny_hf_model(folder: Path):
     """A randomly initialised transformers model with the tiny preset's architecture, saved as HF does."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
 
     torch.manual_seed(1)
-    hf_kwargs = dict(to_object(load_config("tiny")).model.hf)
+    hf_kwargs = dict(load_config("tiny").model.hf)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_kwargs))
     model.save_pretrained(folder)
     return model.state_dict()

@@ -71,13 +71,13 @@ def test_user_errors_exit_2_without_traceback(args, message):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_passes_dry_run(preset, tmp_path):
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
 
     extra = []
-    if to_object(load_config(preset)).model.name_or_path:  # a Hub model (the LoRA presets): offline, its
+    if load_config(preset).model.name_or_path:  # a Hub model (the LoRA presets): offline, its
         from transformers import Qwen2Config  # config.json is written from the inline 0.5B preset's
 
-        Qwen2Config(**to_object(load_config("qwen2-adamw-fsdp2")).model.hf).save_pretrained(tmp_path)
+        Qwen2Config(**load_config("qwen2-adamw-fsdp2").model.hf).save_pretrained(tmp_path)
         extra = [f"model.name_or_path={tmp_path}"]
     result = runner.invoke(app, ["pretrain", preset, *extra, "--dry-run", "--world-size", "8"])
     assert result.exit_code == 0, result.output

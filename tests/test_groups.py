@@ -169,21 +169,19 @@ def test_fsdp_sharded_model_keeps_groups():
 
 def test_muon_preset_settings_reach_the_optimizers():
     """optimizer.muon.* from the config (the Muon preset plus overrides) land on the built Muon."""
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
     from muonrun.optim.build import build_optimizers
 
-    cfg = to_object(
-        load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=false", "optimizer.muon.ns_steps=4"])
-    )
+    cfg = load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=false", "optimizer.muon.ns_steps=4"])
     muon, adamw = build_optimizers(tiny_qwen2(tied=True), cfg.optimizer, "cpu")
     assert type(muon).__name__ == "Muon" and isinstance(adamw, torch.optim.AdamW)
     assert not muon.gram and muon.defaults["ns_steps"] == 4 and muon.defaults["lr"] == cfg.optimizer.muon.lr
     assert muon.defaults["nesterov"] and muon.defaults["momentum"] == 0.95
-    assert build_optimizers(
-        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", [])).optimizer, "cpu"
-    )[0].gram  # the preset's default
+    assert build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cpu")[
+        0
+    ].gram  # the preset's default
     assert not build_optimizers(
-        tiny_qwen2(tied=True), to_object(load_config("tiny", ["optimizer.name=muon"])).optimizer, "cpu"
+        tiny_qwen2(tied=True), load_config("tiny", ["optimizer.name=muon"]).optimizer, "cpu"
     )[0].gram  # the schema's: torch.optim.Muon's iteration
 
 

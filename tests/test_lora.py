@@ -22,7 +22,7 @@ from test_checkpoint import losses
 from typer.testing import CliRunner
 
 from muonrun.cli import app
-from muonrun.config import load_config, to_object
+from muonrun.config import load_config
 
 runner = CliRunner()
 WORKER = Path(__file__).parent / "dist" / "lora_worker.py"
@@ -33,7 +33,7 @@ def tiny_pretrained(folder: Path, seed: int = 1) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    hf_kwargs = dict(to_object(load_config("tiny")).model.hf)
+    hf_kwargs = dict(load_config("tiny").model.hf)
     AutoModelForCausalLM.from_config(Qwen2Config(**hf_kwargs)).save_pretrained(folder)
     return folder
 
@@ -100,7 +100,7 @@ def test_groups_and_plan_count_only_what_trains(folder):
     from muonrun.tools.plan import memory_per_rank, plan_summary
 
     over = [*LORA, f"model.name_or_path={folder / 'base'}", "model.lora.train=['*norm.weight']"]
-    c = to_object(load_config("tiny", [*over, "optimizer.name=muon"]))
+    c = load_config("tiny", [*over, "optimizer.name=muon"])
     model = build_model(c.model, build_hf_config(c.model), enabled(c))
     named = {id(p): n for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -110,7 +110,7 @@ def test_groups_and_plan_count_only_what_trains(folder):
     )
     assert muon == {n for n in trainable if is_adapter(n)} and len(muon) == 4 * 7 * 2
     assert adamw == trainable - muon and all(n.endswith("norm.weight") for n in adamw)
-    (only,) = build_optimizers(model, to_object(load_config("tiny", over)).optimizer, "cpu")
+    (only,) = build_optimizers(model, load_config("tiny", over).optimizer, "cpu")
     assert {named[id(p)] for g in only.param_groups for p in g["params"]} == trainable
 
     s = plan_summary(load_config("tiny", [*over, "optimizer.name=muon", "train.device=auto"]), 2)
@@ -132,8 +132,8 @@ def test_targets_and_base_identity(folder, tmp_path):
     from muonrun.model.build import build_hf_config, build_model
     from muonrun.model.hf import base_identity
 
-    c = to_object(load_config("tiny", [*LORA, f"model.name_or_path={folder / 'base'}"]))
-    plain = to_object(load_config("tiny", [f"model.name_or_path={folder / 'base'}"])).model
+    c = load_config("tiny", [*LORA, f"model.name_or_path={folder / 'base'}"])
+    plain = load_config("tiny", [f"model.name_or_path={folder / 'base'}"]).model
     plain = build_model(plain, build_hf_config(plain))
     assert sorted(peft_config(plain, c.model.lora).target_modules) == sorted(c.model.lora.target_modules)
     c.model.lora.target_modules = ["model.layers.1.mlp.*"]

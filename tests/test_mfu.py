@@ -96,7 +96,10 @@ def test_unknown_device_warns_once(monkeypatch, capsys):
     assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
     assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
     err = capsys.readouterr().err
-    assert err.count("muonrun: WARNING: Unknown device 'NVIDIA Quantum Q9'") == 1 and "logging.peak_tflops" in err
+    assert (
+        err.count("muonrun: WARNING: Unknown device 'NVIDIA Quantum Q9'") == 1
+        and "logging.peak_tflops" in err
+    )
 
 
 def test_matmul_precision_follows_param_dtype():

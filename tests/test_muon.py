@@ -599,7 +599,7 @@ def test_telemetry_keys_and_values_on_one_device():
 
 
 def test_normuon_settings_reach_the_optimizer_from_the_config():
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
     from muonrun.optim.build import build_optimizers
     from tests.test_groups import tiny_qwen2
 
@@ -609,13 +609,11 @@ def test_normuon_settings_reach_the_optimizer_from_the_config():
         "optimizer.muon.ns_dtype=float32",
     ]
     muon = build_optimizers(
-        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", overrides)).optimizer, "cpu"
+        tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", overrides).optimizer, "cpu"
     )[0]
     assert muon.defaults["variant"] == "normuon" and muon.defaults["beta2"] == 0.9
     assert muon.ns_dtype == torch.float32
-    muon = build_optimizers(
-        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", [])).optimizer, "cuda"
-    )[0]
+    muon = build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cuda")[0]
     assert muon.ns_dtype == torch.bfloat16 and muon.defaults["variant"] == "muon"  # the defaults: auto, muon
 
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from muonrun.config import ModelConfig, load_config, to_object
+from muonrun.config import ModelConfig, load_config
 from muonrun.errors import UserError
 from muonrun.features import enabled, qkclip
 from muonrun.features.qkclip import QKClip, causal_max_logit_matmul, check_measurable
@@ -234,7 +234,7 @@ def test_compiled_layers_measure_the_same_and_share_one_graph():
 
 def test_settings_that_cannot_work_are_user_errors():
     with pytest.raises(UserError, match="train.qk_clip.tau.*positive"):
-        to_object(load_config("tiny", ["train.qk_clip.tau=0"]))
+        load_config("tiny", ["train.qk_clip.tau=0"])
     m = ModelConfig(architecture="qwen2", hf=HF, attn_implementation="eager")
     with pytest.raises(UserError, match="logging.max_attention_logit.*attn_implementation=sdpa"):
         check_measurable(build_model(m, build_hf_config(m)), None)
@@ -245,11 +245,11 @@ def test_settings_that_cannot_work_are_user_errors():
     # measuring alone is fine there
     assert check_measurable(build_model(m, build_hf_config(m)), None)
     # the feature checks on every build of the model, before any worker starts
-    c = to_object(load_config("tiny", ["train.qk_clip.tau=50", "model.attn_implementation=eager"]))
+    c = load_config("tiny", ["train.qk_clip.tau=50", "model.attn_implementation=eager"])
     with pytest.raises(UserError, match="train.qk_clip.tau.*attn_implementation=sdpa"):
         build_model(c.model, build_hf_config(c.model), enabled(c))
     assert [f.name for f in enabled(c)] == ["qk_clip"]
-    assert enabled(to_object(load_config("tiny", []))) == []
+    assert enabled(load_config("tiny", [])) == []
 
 
 def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):
@@ -267,11 +267,9 @@ def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
     d = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=mesh)
     tensorboard = importlib.util.find_spec("tensorboard") is not None
-    cfg = to_object(
-        load_config(
-            "tiny",
-            [f"output_dir={tmp_path / 'run'}", "logging.console=plain", f"logging.tensorboard={tensorboard}"],
-        )
+    cfg = load_config(
+        "tiny",
+        [f"output_dir={tmp_path / 'run'}", "logging.console=plain", f"logging.tensorboard={tensorboard}"],
     )
 
     class Stub(torch.optim.SGD):  # the interface every muonrun optimizer offers
@@ -368,7 +366,7 @@ def test_compiled_training_steps_with_qk_clip_never_wait_for_the_gpu(tmp_path):
     overrides += ["train.qk_clip.tau=1.0", "logging.optimizer_telemetry=true", "logging.log_interval=2"]
     overrides += ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_at_end=false"]
     overrides += ["logging.console=plain", "train.max_steps=8"]
-    trainer = Trainer(to_object(load_config("tiny", overrides)))
+    trainer = Trainer(load_config("tiny", overrides))
     torch._dynamo.utils.counters.clear()
 
     def step(log: bool) -> None:

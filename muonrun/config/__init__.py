@@ -1,8 +1,8 @@
 """Typed configuration: `schema` (the dataclasses; their field docstrings are the reference docs),
 `load` (presets, `defaults:`, overrides, validation) and `docs` (`muonrun config docs`).
 
-    from muonrun.config import load_config, to_object
-    cfg = to_object(load_config("tiny", ["train.max_steps=10"]))
+    from muonrun.config import load_config
+    cfg = load_config("tiny", ["train.max_steps=10"])      # the typed Config, validated
 """
 
 from muonrun.config.docs import field_docs, markdown_table
@@ -14,7 +14,6 @@ from muonrun.config.load import (
     load_config,
     preset_names,
     resolve_preset,
-    to_object,
     to_yaml,
     validate,
 )
@@ -57,7 +56,6 @@ __all__ = [
     "markdown_table",
     "preset_names",
     "resolve_preset",
-    "to_object",
     "to_yaml",
     "validate",
 ]

@@ -217,10 +217,11 @@ def load_config(
     preset: str | os.PathLike | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     environment: dict[str, Any] | None = None,
-) -> DictConfig:
+) -> Config:
     """Schema defaults < `environment` ({dotted key: value}, e.g. from SLURM) < preset (with its
-    `defaults:` bases) < `key=value` overrides, validated. A `preset` that is itself a `key=value`
-    (and no file) is the first override of the default preset: `muonrun pretrain train.max_steps=5`."""
+    `defaults:` bases) < `key=value` overrides, validated: the typed config, made here once. A `preset`
+    that is itself a `key=value` (and no file) is the first override of the default preset:
+    `muonrun pretrain train.max_steps=5`."""
     if preset is not None and "=" in str(preset) and not Path(preset).is_file():
         preset, overrides = None, [str(preset), *overrides]
     path = resolve_preset(preset or DEFAULT_PRESET)
@@ -230,25 +231,27 @@ def load_config(
     cfg = _merge(cfg, _load_yaml(path), f"'{path}'")
     for key, value, add in _parse_overrides(list(overrides)):
         cfg = _apply_override(cfg, key, value, add)
-    validate(cfg)
-    return cfg
+    return validate(cfg)
 
 
-def to_object(cfg: DictConfig) -> Config:
+def _typed(cfg: DictConfig) -> Config:
     """Resolve interpolations and turn the OmegaConf tree into the typed dataclasses (which runs each
     section's own checks)."""
-    return OmegaConf.to_object(cfg)
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None
 
 
-def from_yaml(text: str) -> DictConfig:
-    """Rebuild a validated config from `to_yaml` output: how the launcher hands the config to workers, and
-    how a run's saved config.yaml is read back (`muonrun export`)."""
+def from_yaml(text: str, source: str = "from the launcher") -> Config:
+    """The typed config from `to_yaml` output: how the launcher hands the config to workers, and how a
+    run's saved config.yaml is read back (`muonrun export`)."""
     saved = OmegaConf.create(text)
-    return _merge(OmegaConf.structured(Config), saved, "from the launcher")
+    return _typed(_merge(OmegaConf.structured(Config), saved, source))
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
@@ -264,12 +267,10 @@ def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
     return out
 
 
-def validate(cfg: DictConfig) -> None:
-    """The checks no single section can make, after the sections' own (run by `to_object`). Raises UserError."""
-    try:
-        c = to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None
+def validate(cfg: DictConfig) -> Config:
+    """The typed config, after the checks no single section can make (the sections' own run as it is
+    typed). Raises UserError."""
+    c = _typed(cfg)
     if not c.data.sources:
         raise UserError("Config key 'data.sources' is empty; list at least one source with a `path`.")
     for group in ("sources", "eval_sources"):
@@ -295,3 +296,4 @@ def validate(cfg: DictConfig) -> None:
             "Config key 'parallel.float8' is set with model.lora.enabled: float8 matmuls are not available "
             "for LoRA's frozen layers yet. Set parallel.float8=none."
         )
+    return c

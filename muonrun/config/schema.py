@@ -3,7 +3,7 @@
 Those docstrings are the reference documentation (`muonrun config docs` prints them as a table). A
 field with a closed set of values is a `Literal` (OmegaConf refuses other values; `load.choices` lists them); range
 checks that need only their own section live in that section's `__post_init__`, which runs whenever
-OmegaConf turns a config into these objects (`load.to_object`). Checks across sections are in
+OmegaConf turns a config into these objects (`load._typed`). Checks across sections are in
 `load.validate`.
 """
 

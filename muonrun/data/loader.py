@@ -149,16 +149,6 @@ class EvalLoader:
         return islice(self.make_loader(), self.num_batches)
 
 
-def _as_config(cfg):
-    from omegaconf import DictConfig
-
-    if isinstance(cfg, DictConfig):
-        from muonrun.config import to_object
-
-        return to_object(cfg)
-    return cfg
-
-
 def named_sources(cfg, split: str) -> list[tuple[str, object]]:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
@@ -173,7 +163,6 @@ def build_loader(
     cfg, tok, dp_rank: int = 0, dp_size: int = 1, split: str = "train", pin_memory: bool = False
 ):
     """The training loader (infinite, stateful) or, with split="eval", the finite EvalLoader."""
-    cfg = _as_config(cfg)
     sources = named_sources(cfg, split)
     probs = _weights(sources)
     seed, batch = cfg.train.seed, cfg.train.micro_batch_size
@@ -223,7 +212,6 @@ def check_data(cfg):
     from muonrun.data.sources import check_source
     from muonrun.data.tokenizer import build_tokenizer
 
-    cfg = _as_config(cfg)
     tok = build_tokenizer(_tokenizer_name(cfg))
     if cfg.data.shuffle_buffer < 1:
         raise UserError(
@@ -245,7 +233,6 @@ def prepare(cfg):
     from muonrun.data.cache import cache_root
     from muonrun.data.tokenizer import build_tokenizer
 
-    cfg = _as_config(cfg)
     tok = build_tokenizer(_tokenizer_name(cfg))
     splits = ["train"] + (["eval"] if cfg.data.eval_sources else [])
     for split in splits:

@@ -15,9 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from muonrun.config import to_object, to_yaml
+from muonrun.config import Config, to_yaml
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 
@@ -55,16 +53,15 @@ def default_nproc(c) -> int:
     return torch.cuda.device_count() if c.train.device != "cpu" and torch.cuda.is_available() else 1
 
 
-def make_plan(cfg: DictConfig) -> LaunchPlan:
-    c = to_object(cfg)
+def make_plan(cfg: Config) -> LaunchPlan:
     plan = LaunchPlan(
-        nproc_per_node=default_nproc(c),
-        nnodes=c.launch.nnodes,
-        node_rank=c.launch.node_rank,
-        rdzv_endpoint=c.launch.rdzv_endpoint,
-        rdzv_id=c.launch.rdzv_id,
-        max_restarts=c.launch.max_restarts,
-        local_addr=c.launch.local_addr,
+        nproc_per_node=default_nproc(cfg),
+        nnodes=cfg.launch.nnodes,
+        node_rank=cfg.launch.node_rank,
+        rdzv_endpoint=cfg.launch.rdzv_endpoint,
+        rdzv_id=cfg.launch.rdzv_id,
+        max_restarts=cfg.launch.max_restarts,
+        local_addr=cfg.launch.local_addr,
     )
     if plan.nnodes > 1 and not plan.rdzv_endpoint:
         raise UserError(
@@ -73,7 +70,7 @@ def make_plan(cfg: DictConfig) -> LaunchPlan:
         )
     # Before any worker starts: a mesh that cannot fit is the user's mistake (exit 2), not a crash.
     _, shard = mesh_shape(
-        c, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
+        cfg, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
     )
     if plan.nnodes > 1 and shard % plan.nproc_per_node and plan.nproc_per_node % shard:
         print(
@@ -82,7 +79,7 @@ def make_plan(cfg: DictConfig) -> LaunchPlan:
             f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1).",
             file=sys.stderr,
         )
-    if c.train.device == "cuda" or (c.train.device == "auto" and _has_cuda()):
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and _has_cuda()):
         import torch
 
         if plan.nproc_per_node > torch.cuda.device_count():
@@ -115,7 +112,7 @@ def check_output_dir(out: Path) -> None:
         ) from None
 
 
-def launch(cfg: DictConfig) -> int:
+def launch(cfg: Config) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.data import check_data
     from muonrun.distributed import pick_device_type
@@ -124,15 +121,14 @@ def launch(cfg: DictConfig) -> int:
     from muonrun.train.trainer import run_worker
 
     plan = make_plan(cfg)
-    c = to_object(cfg)
-    features = enabled(c)
-    device_type = pick_device_type(c)
+    features = enabled(cfg)
+    device_type = pick_device_type(cfg)
     for feature in features:
         feature.check(device_type)
-    tokenizer = check_data(c)
-    check_model(c.model, tokenizer.vocab_size, c.data.seq_len, features)
+    tokenizer = check_data(cfg)
+    check_model(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features)
     config_yaml = to_yaml(cfg)
-    out = Path(c.output_dir)
+    out = Path(cfg.output_dir)
     check_output_dir(out)
     if plan.node_rank == 0:
         (out / "config.yaml").write_text(config_yaml)

@@ -20,14 +20,14 @@ from muonrun.features import ExportJob, enabled
 
 def read_run_config(checkpoint: Path) -> Config:
     """The config of the run that wrote a checkpoint: OUTPUT_DIR/config.yaml, two levels up."""
-    from muonrun.config import from_yaml, to_object
+    from muonrun.config import from_yaml
 
     path = checkpoint.resolve().parent.parent / "config.yaml"
     if not path.is_file():
         raise UserError(
             f"'{path}' is missing: the run folder of checkpoint '{checkpoint}' must hold its config.yaml."
         )
-    return to_object(from_yaml(path.read_text()))
+    return from_yaml(path.read_text(), f"'{path}'")
 
 
 BYTE_TOKENIZER_NOTE = (

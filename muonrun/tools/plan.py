@@ -5,9 +5,7 @@ Needs no GPU and no data: `muonrun pretrain qwen2-muon-fsdp2 --dry-run --world-s
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
-from muonrun.config import to_object
+from muonrun.config import Config
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 
@@ -80,63 +78,61 @@ def tokenizer_vocab(c) -> tuple[int | None, str]:
     return tok.vocab_size, f"{c.data.tokenizer} ({tok.vocab_size:,} tokens, fits the model's vocabulary)"
 
 
-def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
+def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.features import enabled, flops_per_token
     from muonrun.launch.launcher import default_nproc
     from muonrun.model.build import check_model, count_params
     from muonrun.model.build import flops_per_token as model_flops_per_token
     from muonrun.optim.groups import split_params
 
-    c = to_object(cfg)
-    nnodes = c.launch.nnodes
-    world = world_size or default_nproc(c) * nnodes
+    nnodes = cfg.launch.nnodes
+    world = world_size or default_nproc(cfg) * nnodes
     if world < 1:
         raise UserError(f"--world-size is {world}; it must be at least 1.")
     if world % nnodes:
         raise UserError(f"--world-size {world} cannot be split evenly over --nnodes {nnodes}.")
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
-    replicate, shard = mesh_shape(c, world, how)
-    vocab, tokenizer = tokenizer_vocab(c)
-    features = enabled(c)
-    model = check_model(c.model, vocab, c.data.seq_len, features)
+    replicate, shard = mesh_shape(cfg, world, how)
+    vocab, tokenizer = tokenizer_vocab(cfg)
+    features = enabled(cfg)
+    model = check_model(cfg.model, vocab, cfg.data.seq_len, features)
     hf = model.config
     params = count_params(model)
     split = split_params(
-        model, muon_patterns=c.optimizer.muon.muon_patterns, adamw_patterns=c.optimizer.muon.adamw_patterns
+        model, muon_patterns=cfg.optimizer.muon.muon_patterns, adamw_patterns=cfg.optimizer.muon.adamw_patterns
     )
     muon_params = sum(p.numel() for _, p in split.muon)
-    tokens_per_step = c.tokens_per_step(world)
-    fpt = flops_per_token(features, model_flops_per_token(hf, c.data.seq_len), model)
+    tokens_per_step = cfg.tokens_per_step(world)
+    fpt = flops_per_token(features, model_flops_per_token(hf, cfg.data.seq_len), model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
-    param_bytes = 4 if c.parallel.param_dtype == "float32" or c.train.device == "cpu" else 2
+    param_bytes = 4 if cfg.parallel.param_dtype == "float32" or cfg.train.device == "cpu" else 2
     return {
-        "model": f"{hf.model_type} ({c.model.name_or_path or 'inline config'})",
+        "model": f"{hf.model_type} ({cfg.model.name_or_path or 'inline config'})",
         "tokenizer": tokenizer,
         "parameters": params,
-        "muon_parameters": muon_params if c.optimizer.name == "muon" else 0,
+        "muon_parameters": muon_params if cfg.optimizer.name == "muon" else 0,
         "flops_per_token": fpt,
         "world_size": world,
         "nnodes": nnodes,
         "mesh": {"dp_replicate": replicate, "dp_shard": shard},
         "tokens_per_step": tokens_per_step,
-        "total_tokens": tokens_per_step * c.train.max_steps,
+        "total_tokens": tokens_per_step * cfg.train.max_steps,
         "model_flops_per_rank_step": fpt * tokens_per_step / world,
         "ns_flops_per_rank_step": (
             ns_flops_per_rank(
-                [p.shape for _, p in split.muon], c.optimizer.muon.ns_steps, shard, c.optimizer.muon.gram_ns
+                [p.shape for _, p in split.muon], cfg.optimizer.muon.ns_steps, shard, cfg.optimizer.muon.gram_ns
             )
-            if c.optimizer.name == "muon"
+            if cfg.optimizer.name == "muon"
             else 0
         ),
-        "memory_gib_per_rank": memory_per_rank(params, muon_params, c.optimizer.name, shard, param_bytes),
-        "activation_gib_per_rank": activation_gib(hf, c, param_bytes),
+        "memory_gib_per_rank": memory_per_rank(params, muon_params, cfg.optimizer.name, shard, param_bytes),
+        "activation_gib_per_rank": activation_gib(hf, cfg, param_bytes),
         "feature_rows": [row for f in features for row in f.plan_rows(model)],
     }
 
 
-def print_plan(cfg: DictConfig, world_size: int | None) -> None:
+def print_plan(cfg: Config, world_size: int | None) -> None:
     s = plan_summary(cfg, world_size)
-    c = to_object(cfg)
     p = s["parameters"]
     rows = [
         ("model", s["model"]),
@@ -147,7 +143,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ),
         (
             "optimizer",
-            c.optimizer.name
+            cfg.optimizer.name
             + (f" ({s['muon_parameters']:,} params in Muon)" if s["muon_parameters"] else ""),
         ),
         ("FLOPs/token (train)", f"{s['flops_per_token']:.3e}"),
@@ -157,7 +153,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
             + (f", {s['nnodes']} nodes x {s['world_size'] // s['nnodes']}" if s["nnodes"] > 1 else ""),
         ),
         ("tokens/step", f"{s['tokens_per_step']:,}"),
-        ("total tokens", f"{s['total_tokens']:,} over {c.train.max_steps:,} steps"),
+        ("total tokens", f"{s['total_tokens']:,} over {cfg.train.max_steps:,} steps"),
         (
             "memory/rank (no activations)",
             ", ".join(f"{k} {v:.2f} GiB" for k, v in s["memory_gib_per_rank"].items())
@@ -165,11 +161,11 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ),
         (
             "activations/rank (rough)",
-            f"~{s['activation_gib_per_rank']:.2f} GiB per micro-batch of {c.train.micro_batch_size} x "
-            f"{c.data.seq_len} (activation checkpointing {c.parallel.activation_checkpointing}"
-            + ("; an upper bound: compiled layers keep less)" if c.parallel.compile else ")"),
+            f"~{s['activation_gib_per_rank']:.2f} GiB per micro-batch of {cfg.train.micro_batch_size} x "
+            f"{cfg.data.seq_len} (activation checkpointing {cfg.parallel.activation_checkpointing}"
+            + ("; an upper bound: compiled layers keep less)" if cfg.parallel.compile else ")"),
         ),
-        ("output", c.output_dir),
+        ("output", cfg.output_dir),
     ]
     rows[-1:-1] = s["feature_rows"]
     if s["ns_flops_per_rank_step"]:

@@ -306,10 +306,10 @@ class Trainer:
 
 def run_worker(config_yaml: str) -> None:
     """Entry point of every worker process (and of the single in-process worker)."""
-    from muonrun.config import from_yaml, to_object
+    from muonrun.config import from_yaml
     from muonrun.distributed import destroy
 
-    cfg = to_object(from_yaml(config_yaml))
+    cfg = from_yaml(config_yaml)
     trainer, together = None, False
     try:
         trainer = Trainer(cfg)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from muonrun.config import load_config, to_object, to_yaml
+from muonrun.config import load_config, to_yaml
 from muonrun.distributed import destroy, release_process_groups
 from muonrun.errors import UserError
 from muonrun.features.lora import is_adapter
@@ -277,13 +277,13 @@ def main() -> None:
 
     from muonrun.train.trainer import Trainer
 
-    cfg = to_object(cfg_yaml)
+    cfg = cfg_yaml
     trainer = Trainer(cfg)
     check_training(cfg, trainer)
     check_checkpoint(cfg, trainer)
     trainer.close()
     del trainer
-    check_bf16_frozen(to_object(cfg_yaml))
+    check_bf16_frozen(cfg_yaml)
     dist.barrier()
     log("LORA_WORKER_OK")
     destroy()

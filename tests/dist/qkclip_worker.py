@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from muonrun.features import qkclip
-from muonrun.config import load_config, to_object
+from muonrun.config import load_config
 from muonrun.distributed import all_reduce_max, destroy, local_tensor, release_process_groups
 from muonrun.train.trainer import Trainer
 
@@ -216,7 +216,7 @@ def run_one(out: Path, optimizer: str) -> None:
         "logging.console=plain",
         "checkpoint.save_at_end=false",
     ]
-    trainer = Trainer(to_object(load_config("tiny", overrides)))
+    trainer = Trainer(load_config("tiny", overrides))
     try:
         rank = trainer.dist.rank
         make_large(trainer)
