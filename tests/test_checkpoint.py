@@ -30,6 +30,7 @@ from muonrun.checkpoint import (
     rank_state_file,
     resolve_checkpoint,
 )
+from muonrun.checkpoint.files import seal
 from muonrun.cli import app
 from muonrun.errors import UserError
 
@@ -112,7 +113,7 @@ def _fake_checkpoint(path: Path, world_size: int = 2, complete: bool = True) -> 
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"x")
     if complete:
-        (path / META).write_text(json.dumps({"step": 1, "world_size": world_size}))
+        (path / META).write_text(json.dumps(seal({"step": 1, "world_size": world_size, "files": {}})))
     return path
 
 

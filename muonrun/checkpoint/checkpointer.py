@@ -316,10 +316,9 @@ class Checkpointer:
                     ("error", f"checkpoint.{'resume_from' if ck.resume_from else 'init_from'}: {e}", True)
                 ]
             if result and result[0][0] == "resume" and ck.init_from:
-                log.info(
+                log.warning(
                     f"checkpoint.init_from='{ck.init_from}' is IGNORED: resuming from {result[0][1]} instead "
-                    "(a run resumes its own checkpoints; use a new output_dir to start from init_from).",
-                    loud=True,
+                    "(a run resumes its own checkpoints; use a new output_dir to start from init_from)."
                 )
         box = [result]
         if dist.is_initialized() and dist.get_world_size() > 1:
