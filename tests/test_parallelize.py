@@ -5,7 +5,7 @@ import torch
 from muonrun.config import load_config
 from muonrun.data import build_tokenizer
 from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, decoder_layers
-from muonrun.model.parallelize import apply_compile
+from muonrun.model.parallelize import apply_compile_and_checkpointing
 
 
 def test_compiled_layers_share_one_graph():
@@ -17,7 +17,9 @@ def test_compiled_layers_share_one_graph():
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     layers = decoder_layers(model)
-    apply_compile(layers, backend="eager")  # dynamo's guards are what is under test, not inductor
+    apply_compile_and_checkpointing(
+        layers, "none", True, backend="eager"
+    )  # dynamo's guards are what is under test, not inductor
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     ids = torch.randint(0, hf_config.vocab_size, (2, 16))

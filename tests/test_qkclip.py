@@ -216,11 +216,13 @@ def test_qk_clip_bounds_the_logit_of_a_model_that_grows_it():
 
 def test_compiled_layers_measure_the_same_and_share_one_graph():
     from muonrun.model.build import decoder_layers
-    from muonrun.model.parallelize import apply_compile
+    from muonrun.model.parallelize import apply_compile_and_checkpointing
 
     eager, compiled = make_model(qk_gain=5.0), make_model(qk_gain=5.0)
     trackers = [QKClip(m, tau=None, device=torch.device("cpu")) for m in (eager, compiled)]
-    apply_compile(decoder_layers(compiled), backend="aot_eager")  # functionalizes the in-place max
+    apply_compile_and_checkpointing(
+        decoder_layers(compiled), "none", True, backend="aot_eager"
+    )  # functionalizes the in-place max
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     for seed in (0, 1):

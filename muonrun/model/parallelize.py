@@ -47,11 +47,6 @@ def apply_compile_and_checkpointing(
             layer.compile(backend=backend)
 
 
-def apply_compile(layers: list[nn.Module], backend: str = "inductor") -> None:
-    """torch.compile every layer (no activation checkpointing)."""
-    apply_compile_and_checkpointing(layers, "none", True, backend)
-
-
 def apply_fsdp(
     model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, p: ParallelConfig, device_type: str
 ):

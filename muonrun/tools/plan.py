@@ -99,7 +99,9 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     hf = model.config
     params = count_params(model)
     split = split_params(
-        model, muon_patterns=cfg.optimizer.muon.muon_patterns, adamw_patterns=cfg.optimizer.muon.adamw_patterns
+        model,
+        muon_patterns=cfg.optimizer.muon.muon_patterns,
+        adamw_patterns=cfg.optimizer.muon.adamw_patterns,
     )
     muon_params = sum(p.numel() for _, p in split.muon)
     tokens_per_step = cfg.tokens_per_step(world)
@@ -120,7 +122,10 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         "model_flops_per_rank_step": fpt * tokens_per_step / world,
         "ns_flops_per_rank_step": (
             ns_flops_per_rank(
-                [p.shape for _, p in split.muon], cfg.optimizer.muon.ns_steps, shard, cfg.optimizer.muon.gram_ns
+                [p.shape for _, p in split.muon],
+                cfg.optimizer.muon.ns_steps,
+                shard,
+                cfg.optimizer.muon.gram_ns,
             )
             if cfg.optimizer.name == "muon"
             else 0
