@@ -20,11 +20,11 @@ from muonrun.model.moe import (
     active_matmul_params,
     expert_load,
     experts_per_token,
-    is_experts_module,
     is_moe,
     is_router_module,
     load_balancing_loss,
 )
+from muonrun.optim.experts import is_experts_module
 
 if TYPE_CHECKING:
     from muonrun.features import Feature

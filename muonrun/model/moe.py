@@ -26,20 +26,9 @@ def is_moe(hf_config) -> bool:
     return num_experts(hf_config) > 0 and experts_per_token(hf_config) > 0
 
 
-def is_experts_module(module: nn.Module) -> bool:
-    """A module holding stacked expert weights ([E, out, in] parameters), e.g. `Qwen2MoeExperts`."""
-    return type(module).__name__.endswith("Experts")
-
-
 def is_router_module(module: nn.Module) -> bool:
     """A router: a raw `weight` [E, H] scoring the experts for each token, e.g. `Qwen2MoeTopKRouter`."""
     return type(module).__name__.endswith("Router")
-
-
-def matrices_per_expert(param_name: str) -> int:
-    """How many matrices one expert's slice of a stacked parameter holds: 2 for the fused `gate_up_proj`
-    ([2I, H]: the gate's [I, H] rows, then the up projection's), 1 otherwise."""
-    return 2 if param_name.rsplit(".", 1)[-1] == "gate_up_proj" else 1
 
 
 def router_aux_loss_coef(cfg, hf_config) -> float | None:

@@ -62,6 +62,18 @@ shard. On an HSDP mesh ``(dp_replicate, dp_shard)`` the exchange runs over the `
 dimension (gradients are already averaged over the replicate one). Any other placement (e.g. a
 tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
 
+Stacked experts (mixture of experts)
+------------------------------------
+A 3-D parameter ``[E, out, in]`` (a transformers ``*Experts`` module's ``gate_up_proj`` / ``down_proj``)
+is a batch of E matrices, never one flattened matrix; with ``matrices_per_expert=2`` in its param
+group (the fused ``gate_up_proj`` ``[E, 2I, H]``) each expert's slice is two matrices ``[I, H]``,
+its gate rows and its up rows, orthogonalised separately as the dense model's separate
+``gate_proj`` and ``up_proj`` are. FSDP2 shards dim 0, the expert dimension, so every rank holds
+whole experts (unevenly, or none, when E does not divide): each rank runs the momentum and one
+batched Newton–Schulz over its own experts' matrices and exchanges nothing
+(``muonrun.optim.experts``). The lr adjustment uses each expert matrix's own shape. NorMuon's ``v``
+is ``[E, out]``, laid out like the parameter's experts.
+
 Optimizer state is one ``momentum_buffer`` per matrix with the parameter's type and placement
 (AdamW keeps two), and for NorMuon a ``second_moment`` (fp32, one entry per row, a 1-D DTensor with
 the parameter's mesh and placements, so each rank holds its rows' entries), present on every rank,
@@ -81,6 +93,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonrun.distributed import local_tensor
+from muonrun.optim.experts import check_stacked, expert_rows_like, orthogonalize_stacked
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
     DEFAULT_EPS,
@@ -106,7 +119,7 @@ from muonrun.optim.sharding import (
     scatter_rows,
     shard_info,
 )
-from muonrun.optim.telemetry import Sums, sum_of_squares
+from muonrun.optim.telemetry import Sums, reduce_group, sum_of_squares
 
 __all__ = ["Muon"]
 
@@ -245,6 +258,7 @@ class Muon(torch.optim.Optimizer):
             "variant": variant,
             "beta2": beta2,
             "normuon_eps": normuon_eps,
+            "matrices_per_expert": 1,
         }
         super().__init__(params, defaults)
         self.bucket_numel = int(bucket_numel)
@@ -273,10 +287,13 @@ class Muon(torch.optim.Optimizer):
         resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
         for i, p in enumerate(group["params"]):
             name = self._param_name(gi, i, p)
-            if p.ndim != 2:
+            if p.ndim == 3:  # stacked experts [E, out, in]
+                check_stacked(p, group["matrices_per_expert"], name)
+            elif p.ndim != 2:
                 raise ValueError(
-                    f"Muon only supports 2D parameters whereas we found {name}. Embeddings, the LM head, "
-                    "norms and biases belong to AdamW (see muonrun.optim.groups.split_params)."
+                    f"Muon only supports 2D parameters (and 3D stacked experts) whereas we found {name}. "
+                    "Embeddings, the LM head, norms and biases belong to AdamW (see "
+                    "muonrun.optim.groups.split_params)."
                 )
             if torch.is_complex(p):
                 raise ValueError(f"Muon does not support complex parameters ({name})")
@@ -285,7 +302,7 @@ class Muon(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:  # param groups saved before these settings existed
-            for key in ("variant", "beta2", "normuon_eps"):
+            for key in ("variant", "beta2", "normuon_eps", "matrices_per_expert"):
                 group.setdefault(key, self.defaults[key])
 
     def add_param_group(self, param_group: dict) -> None:
@@ -302,7 +319,7 @@ class Muon(torch.optim.Optimizer):
             (gi, i, p)
             for gi, group in enumerate(self.param_groups)
             for i, p in enumerate(group["params"])
-            if p.grad is not None
+            if p.grad is not None and p.ndim == 2
         ]
         key = (tuple((gi, id(p)) for gi, _, p in active), ns, self.ns_dtype, self.gram)
         if self._plan is None or key != self._plan_key:
@@ -331,13 +348,23 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         plan = self._get_plan()
         settings = [StepSettings.of(group) for group in self.param_groups]
-        if self.collect_telemetry and plan:
-            self._sums = Sums(("update", "momentum", "ortho_residual"), plan[0].device)
+        stacked = [
+            (gi, p)
+            for gi, g in enumerate(self.param_groups)
+            for p in g["params"]
+            if p.ndim == 3 and p.grad is not None
+        ]
+        if self.collect_telemetry and (plan or stacked):
+            device = plan[0].device if plan else local_tensor(stacked[0][1]).device
+            self._sums = Sums(("update", "momentum", "ortho_residual"), device)
         for part in plan:
             self._step_partition(part, settings)
+        for gi, p in stacked:
+            self._step_stacked(gi, p, settings[gi])
         if self._sums is not None:
             total, self._sums = self._sums.total(), None
             numel = sum(it.rows * it.cols for part in plan for b in part.buckets for it in b.items)
+            numel += sum(p.numel() for _, p in stacked)
             self.telemetry = {
                 "update_rms": (total["update"] / numel).sqrt(),
                 "momentum_norm": total["momentum"].sqrt(),
@@ -356,6 +383,42 @@ class Muon(torch.optim.Optimizer):
         state = self.state[p]
         if "second_moment" not in state:
             state["second_moment"] = rows_like(p)
+        return state["second_moment"]
+
+    def _step_stacked(self, gi: int, p: Tensor, s: StepSettings) -> None:
+        """One stacked expert parameter: momentum, then every matrix of this rank's experts
+        orthogonalised in one batch (NorMuon: normalised), weight decay and the update, all local."""
+        group = self.param_groups[gi]
+        ns = NSSettings.of(group)
+        local, buf = local_tensor(p), local_tensor(self._momentum_buffer(p))
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        grad = local_tensor(grad)
+        buf.lerp_(grad, 1 - s.momentum)
+        u = grad.lerp(buf, s.momentum) if s.nesterov else buf
+        v = local_tensor(self._expert_second_moment(p)) if ns.normuon else None
+        update, shape = orthogonalize_stacked(
+            u, group["matrices_per_expert"], ns, self.ns_dtype, self._newton_schulz, v
+        )
+        self.stats["orthogonalized"] += update.shape[0]
+        self.stats["gram"] += update.shape[0] * (self.gram and uses_gram_form(shape, len(ns.per_step)))
+        update = update.view(local.shape)
+        alpha = -adjust_lr(s.lr, s.adjust_lr_fn, shape)
+        if self._sums is not None:
+            pg = reduce_group(p)
+            self._sums.add(pg, "momentum", sum_of_squares([buf]))
+            delta = torch.add(local * (-s.lr * s.weight_decay), update, alpha=alpha)
+            self._sums.add(pg, "update", sum_of_squares([delta]))
+        if s.lr * s.weight_decay != 0.0:
+            local.mul_(1 - s.lr * s.weight_decay)
+        local.add_(update, alpha=alpha)
+
+    def _expert_second_moment(self, p: Tensor) -> Tensor:
+        """NorMuon's per-row v of a stacked expert parameter: [E, out] fp32, laid out like its experts."""
+        state = self.state[p]
+        if "second_moment" not in state:
+            state["second_moment"] = expert_rows_like(p)
         return state["second_moment"]
 
     def _prepare(self, part: Partition, bucket: Bucket, settings: Sequence[StepSettings]) -> Tensor:
