@@ -178,3 +178,23 @@ def test_tiny_moe_resumes_exactly_reshards_and_exports_a_model_transformers_gene
     assert hf.config.model_type == "qwen2_moe" and hf.config.num_experts == 6
     out = hf.generate(torch.tensor([[10, 20, 30]]), max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 8)
+
+
+def test_lora_on_a_mixture_of_experts_is_refused_naming_the_key(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from muonrun.cli import app
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(
+        build_hf_config(ModelConfig(architecture="qwen2_moe", hf=dict(MOE, num_hidden_layers=4)))
+    ).save_pretrained(base)  # 4 layers like tiny-moe, whose model.hf applies on top
+    result = CliRunner().invoke(
+        app,
+        ["pretrain", "tiny-moe", "model.lora.enabled=true", "model.init=pretrained", f"model.name_or_path={base}",
+         "--dry-run"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "model.lora.enabled" in result.output and "mixture-of-experts" in result.output
+    assert "Traceback" not in result.output
