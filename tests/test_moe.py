@@ -198,3 +198,25 @@ def test_lora_on_a_mixture_of_experts_is_refused_naming_the_key(tmp_path):
     assert result.exit_code == 2, result.output
     assert "model.lora.enabled" in result.output and "mixture-of-experts" in result.output
     assert "Traceback" not in result.output
+
+
+def test_compiled_moe_layers_give_the_eager_loss_and_router_balance_without_recompiling():
+    """Per-layer compile (aot_eager: the graphs autograd runs, without inductor's build time) over the
+    experts path transformers picks on CPU and the router-logit capture the balance loss reads."""
+    from muonrun.model.build import decoder_layers
+    from muonrun.model.parallelize import apply_compile
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    eager, compiled = moe_model(coef=0.5), moe_model(coef=0.5)
+    apply_compile(decoder_layers(compiled), backend="aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for _ in range(2):
+        for m in (eager, compiled):
+            m.zero_grad()
+            m(ids, ids).backward()
+    assert torch.allclose(compiled.moe_telemetry()["aux_loss"], eager.moe_telemetry()["aux_loss"])
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0
+    assert not torch._dynamo.utils.counters["recompiles"], dict(torch._dynamo.utils.counters["recompiles"])
