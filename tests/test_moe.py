@@ -220,3 +220,22 @@ def test_compiled_moe_layers_give_the_eager_loss_and_router_balance_without_reco
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0
     assert not torch._dynamo.utils.counters["recompiles"], dict(torch._dynamo.utils.counters["recompiles"])
+
+
+def test_console_and_compare_show_the_router_balance_and_expert_load():
+    from muonrun.observe.console import step_fields
+    from muonrun.tools.compare import Run, table_metrics, telemetry_summary
+
+    row = {
+        "step": 10, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0, "tokens_per_s_per_device": 1.0,
+        "step_time": 1.0, "data_wait_time": 0.0, "aux_loss": 2.0312, "expert_load_max_mean": 1.5,
+        "router_entropy": 1.7,
+    }  # fmt: skip
+    fields = dict(step_fields(row, 20, None))
+    assert fields["aux"] == "2.0312" and fields["load"] == "1.50x"
+    assert "aux" not in dict(step_fields({**row, "aux_loss": None}, 20, None))  # a dense run shows neither
+    run = Run(Path("r"), "r", "muon", [{**row, "step": 5, "expert_load_max_mean": 3.0}, row])
+    summary = telemetry_summary(run)
+    assert summary == {"aux_loss": 2.0312, "expert_load_max_mean": 1.5, "router_entropy": 1.7}
+    keys = [k for k, _, _ in table_metrics([summary])]
+    assert {"aux_loss", "expert_load_max_mean", "router_entropy"} <= set(keys)
