@@ -65,8 +65,9 @@ tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
 Stacked experts (mixture of experts)
 ------------------------------------
 A 3-D parameter ``[E, out, in]`` (a transformers ``*Experts`` module's ``gate_up_proj`` / ``down_proj``)
-is a batch of E matrices, never one flattened matrix; with ``matrices_per_expert=2`` in its param
-group (the fused ``gate_up_proj`` ``[E, 2I, H]``) each expert's slice is two matrices ``[I, H]``,
+in a param group with ``matrices_per_expert`` set (other 3-D parameters are refused) is a batch of E
+matrices, never one flattened matrix; with ``matrices_per_expert=2`` (the fused ``gate_up_proj``
+``[E, 2I, H]``) each expert's slice is two matrices ``[I, H]``,
 its gate rows and its up rows, orthogonalised separately as the dense model's separate
 ``gate_proj`` and ``up_proj`` are. FSDP2 shards dim 0, the expert dimension, so every rank holds
 whole experts (unevenly, or none, when E does not divide): each rank runs the momentum and one
@@ -258,7 +259,7 @@ class Muon(torch.optim.Optimizer):
             "variant": variant,
             "beta2": beta2,
             "normuon_eps": normuon_eps,
-            "matrices_per_expert": 1,
+            "matrices_per_expert": None,  # set in a group of stacked experts: 1, or 2 for gate_up_proj
         }
         super().__init__(params, defaults)
         self.bucket_numel = int(bucket_numel)
@@ -287,7 +288,7 @@ class Muon(torch.optim.Optimizer):
         resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
         for i, p in enumerate(group["params"]):
             name = self._param_name(gi, i, p)
-            if p.ndim == 3:  # stacked experts [E, out, in]
+            if p.ndim == 3 and group["matrices_per_expert"]:  # stacked experts [E, out, in]
                 check_stacked(p, group["matrices_per_expert"], name)
             elif p.ndim != 2:
                 raise ValueError(

@@ -76,7 +76,7 @@ def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_dec
         [
             {"params": [p for _, p in split.muon]},
             {"params": gate_up, "matrices_per_expert": 2},
-            {"params": down},
+            {"params": down, "matrices_per_expert": 1},
         ],
         variant=variant,
         ns_dtype=ns_dtype,
@@ -147,7 +147,7 @@ def main() -> None:
     model = Toy(counts, seed=3)
     fully_shard(model, mesh=mesh)
     experts = [p for n, p in model.named_parameters() if p.ndim == 3]
-    opt = Muon(experts, lr=LR)
+    opt = Muon([{"params": experts, "matrices_per_expert": 1}], lr=LR)
     for p in experts:
         p.grad = distribute_tensor(torch.ones(p.shape), p.device_mesh, p.placements)
     opt.step()
@@ -155,7 +155,7 @@ def main() -> None:
     mine = sum(p.to_local().shape[0] for p in experts)
     assert opt.stats["orthogonalized"] == mine, (opt.stats, mine)
     # the NorMuon state lives with the expert rows: [E, out], sharded like the experts
-    nor = Muon(experts, lr=LR, variant="normuon")
+    nor = Muon([{"params": experts, "matrices_per_expert": 1}], lr=LR, variant="normuon")
     nor.step()
     for p in experts:
         v = nor.state[p]["second_moment"]
