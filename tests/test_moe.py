@@ -239,3 +239,19 @@ def test_console_and_compare_show_the_router_balance_and_expert_load():
     assert summary == {"aux_loss": 2.0312, "expert_load_max_mean": 1.5, "router_entropy": 1.7}
     keys = [k for k, _, _ in table_metrics([summary])]
     assert {"aux_loss", "expert_load_max_mean", "router_entropy"} <= set(keys)
+
+
+def test_dry_run_plans_expert_newton_schulz_on_the_ranks_holding_the_experts():
+    from muonrun.config import load_config
+    from muonrun.optim.newton_schulz import newton_schulz_flops
+    from muonrun.tools.plan import plan_summary
+
+    s = plan_summary(load_config("tiny-moe", ["optimizer.muon.gram_ns=false"]), 4)
+    per_expert = 4 * (2 * newton_schulz_flops((96, 128), 5) + newton_schulz_flops((128, 96), 5))  # 4 layers
+    # 6 experts on 4 ranks in torch.chunk order: 2, 2, 2, 0
+    assert s["expert_ns_flops_per_rank_step"] == [2 * per_expert, 2 * per_expert, 2 * per_expert, 0]
+    assert s["muon_parameters"] > 4 * (6 * 3 * 128 * 96)  # the experts are in Muon, with the shared experts
+    assert (
+        plan_summary(load_config("tiny-moe", ["optimizer.name=adamw"]), 4)["expert_ns_flops_per_rank_step"]
+        == [0] * 4
+    )
