@@ -154,6 +154,18 @@ def main() -> None:
     assert opt.stats["all_to_all"] == 0, opt.stats
     mine = sum(p.to_local().shape[0] for p in experts)
     assert opt.stats["orthogonalized"] == mine, (opt.stats, mine)
+    # telemetry over every rank's experts: the update's RMS and the momentum's norm, as measured here
+    before = [p.to_local().clone() for p in experts]
+    opt.collect_telemetry = True
+    opt.step()
+    sums = torch.zeros(2)
+    for p, b in zip(experts, before, strict=True):
+        sums[0] += (p.to_local() - b).square().sum()
+        sums[1] += opt.state[p]["momentum_buffer"].to_local().square().sum()
+    dist.all_reduce(sums)
+    numel = sum(p.numel() for p in experts)
+    assert torch.allclose(opt.telemetry["update_rms"], (sums[0] / numel).sqrt(), rtol=1e-4), opt.telemetry
+    assert torch.allclose(opt.telemetry["momentum_norm"], sums[1].sqrt(), rtol=1e-4), opt.telemetry
     # the NorMuon state lives with the expert rows: [E, out], sharded like the experts
     nor = Muon([{"params": experts, "matrices_per_expert": 1}], lr=LR, variant="normuon")
     nor.step()
