@@ -255,3 +255,31 @@ def test_dry_run_plans_expert_newton_schulz_on_the_ranks_holding_the_experts():
         plan_summary(load_config("tiny-moe", ["optimizer.name=adamw"]), 4)["expert_ns_flops_per_rank_step"]
         == [0] * 4
     )
+
+
+def test_export_writes_the_hub_layout_of_experts_that_transformers_loads_back(tmp_path):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from muonrun.tools.export import hub_layout
+
+    m = ModelConfig(architecture="qwen2_moe", hf=dict(MOE))
+    hf = build_hf_config(m)
+    model = AutoModelForCausalLM.from_config(hf)
+    tensors = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    cfg = type("Cfg", (), {"model": m})()
+    sd = hub_layout(tensors, cfg, hf)
+    assert "model.layers.1.mlp.experts.4.gate_proj.weight" in sd and not any(
+        k.endswith("gate_up_proj") for k in sd
+    )
+    fused = tensors["model.layers.1.mlp.experts.gate_up_proj"]
+    assert torch.equal(sd["model.layers.1.mlp.experts.4.up_proj.weight"], fused[4, 16:])
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"}
+    )
+    hf.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.model.layers[1].mlp.experts.gate_up_proj, fused)
+    assert torch.equal(
+        loaded.model.layers[0].mlp.experts.down_proj, tensors["model.layers.0.mlp.experts.down_proj"]
+    )
