@@ -283,3 +283,13 @@ def test_export_writes_the_hub_layout_of_experts_that_transformers_loads_back(tm
     assert torch.equal(
         loaded.model.layers[0].mlp.experts.down_proj, tensors["model.layers.0.mlp.experts.down_proj"]
     )
+
+
+def test_a_router_that_is_a_linear_stays_on_adamw():
+    """Some transformers versions make the router an nn.Linear `gate` beside the `experts`."""
+    model = moe_model()
+    block = model.lm.model.layers[0].mlp
+    block.gate = torch.nn.Linear(32, 5, bias=False)
+    names = split_params(model).names()
+    assert "lm.model.layers.0.mlp.gate.weight" in names["other"]
+    assert "lm.model.layers.0.mlp.gate.weight" not in names["muon"]

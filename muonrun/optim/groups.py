@@ -134,6 +134,14 @@ def split_params(
         for m in model.modules()
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight is not None
     }
+    # An MoE block's router (its `gate` next to its `experts`) is a classifier, a Linear in some versions.
+    router_ids = {
+        id(m.gate.weight)
+        for m in model.modules()
+        if isinstance(getattr(m, "experts", None), nn.Module)
+        and is_experts_module(m.experts)
+        and isinstance(getattr(getattr(m, "gate", None), "weight", None), nn.Parameter)
+    }
     head = _output_embedding_weight(model)
     head_id = id(head) if head is not None else None
 
@@ -166,6 +174,7 @@ def split_params(
             and p is module.weight
             and p.ndim == 2
             and p.shape[0] > 1  # a gate with one output (Qwen2-MoE's shared_expert_gate) is a classifier
+            and id(p) not in router_ids
             and not forced_adamw
         ):
             split.muon.append((name, p))
