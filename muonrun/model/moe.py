@@ -52,9 +52,9 @@ def load_balancing_loss(router_logits: tuple[Tensor, ...], hf_config) -> Tensor:
 def expert_load(router_logits: tuple[Tensor, ...], top_k: int) -> dict[str, Tensor]:
     """Per MoE layer i, from its router logits [tokens, E] (0-d device tensors, no host sync):
     `expert_load_max_mean_<i>`, the busiest expert's share of the top-k assignments over the mean
-    share (1 = perfectly even, E = every token to one expert), and `router_entropy_<i>`, the mean
-    entropy (nats) of the router's softmax per token (log E = undecided). The unsuffixed keys are the
-    largest load ratio and the mean entropy over layers."""
+    share (1 = perfectly even, E / top_k = one expert in every token's top k), and
+    `router_entropy_<i>`, the mean entropy (nats) of the router's softmax per token (log E =
+    undecided). The unsuffixed keys are the largest load ratio and the mean entropy over layers."""
     values: dict[str, Tensor] = {}
     loads, entropies = [], []
     for i, logits in enumerate(router_logits):
