@@ -4,7 +4,8 @@ Muon is for hidden 2-D matrices only (the Linear weights inside the decoder laye
 the LM head are 2-D too but are *not* hidden matrices, so the decision is made by module type and
 name, never by ``ndim`` alone:
 
-- ``muon``: weights of ``nn.Linear`` modules (2-D), except the output projection;
+- ``muon``: weights of ``nn.Linear`` modules (2-D), except the output projection, a Linear with
+  one output (a scalar gate: there is nothing to orthogonalise) and an MoE router;
 - ``embedding``: ``nn.Embedding`` / ``nn.EmbeddingBag`` weights (a tied LM head is the same
   Parameter and is listed here, once; ``ParamSplit.tied_lm_head`` is then True);
 - ``lm_head``: the output projection's weight when it is not tied (found with
