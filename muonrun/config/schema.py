@@ -317,6 +317,10 @@ class TrainConfig:
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the fused LM head + cross-entropy (gradients computed chunk by chunk in
     forward), so the full fp32 logits never exist. 0: one chunk (fine for small vocabularies)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: weight of the router's load-balancing loss added to the LM loss
+    (logged apart as `aux_loss`; the logged `loss` is the LM loss). null: the model config's own
+    `router_aux_loss_coef` (0.001 for Qwen2-MoE); 0: no balancing. Dense models ignore it."""
     qk_clip: QKClipConfig = field(default_factory=QKClipConfig)
     """QK-clip (off by default): `train.qk_clip.tau`."""
 
@@ -330,6 +334,8 @@ class TrainConfig:
             },
         )
         _not_negative(**{"train.grad_clip": self.grad_clip, "train.eval_interval": self.eval_interval})
+        if self.router_aux_loss_coef is not None:
+            _not_negative(**{"train.router_aux_loss_coef": self.router_aux_loss_coef})
 
 
 @dataclass

@@ -197,6 +197,14 @@ class LoRA(Feature):
         require_peft()
 
     def adapt(self, model: nn.Module) -> None:
+        from muonrun.model.moe import is_moe
+
+        if is_moe(model.config):
+            raise UserError(
+                f"model.lora.enabled is true but {model.config.model_type} is a mixture-of-experts model: "
+                "LoRA adapters on stacked expert weights are not supported. Set model.lora.enabled=false "
+                "to train the whole model, or use a dense base model for LoRA."
+            )
         apply_lora(model, self.cfg.model.lora)
 
     def init_parameter(self, name, shape, generator, device):

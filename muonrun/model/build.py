@@ -16,6 +16,15 @@ from muonrun.config import ModelConfig
 from muonrun.errors import UserError
 from muonrun.model.attention import use_mask_free_sdpa
 from muonrun.model.loss import linear_cross_entropy_sum
+from muonrun.model.moe import (
+    active_matmul_params,
+    expert_load,
+    experts_per_token,
+    is_moe,
+    is_router_module,
+    load_balancing_loss,
+)
+from muonrun.optim.experts import is_experts_module
 
 if TYPE_CHECKING:
     from muonrun.features import Feature
@@ -171,8 +180,8 @@ def init_weights(
     """Initialise every parameter and buffer of a model that was just `to_empty()`-ed.
 
     Each full tensor is drawn from its own generator on `device` and each rank keeps its shard,
-    so the weights are identical at any world size. Linear and embedding weights ~ N(0, std),
-    biases 0, norm (1-D) weights 1; a feature's own parameters (LoRA's A and B) as the feature says.
+    so the weights are identical at any world size. Linear and embedding weights ~ N(0, std) (and
+    so are an MoE's routers and stacked experts [E, out, in]: every expert's matrix ~ N(0, std)), biases 0, norm (1-D) weights 1; a feature's own parameters (LoRA's A and B) as the feature says.
     Buffers (rotary `inv_freq`) are rebuilt from the module's config.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -200,9 +209,9 @@ def init_weights(
                     None,
                 )
                 if full is None:
-                    assert isinstance(module, nn.Linear | nn.Embedding), (
-                        f"no init rule for {mod_name}.{p_name}"
-                    )
+                    assert isinstance(module, nn.Linear | nn.Embedding) or (
+                        is_experts_module(module) or is_router_module(module)
+                    ), f"no init rule for {mod_name}.{p_name}"
                     full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
             if isinstance(param, DTensor):
                 local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -223,13 +232,31 @@ def init_weights(
 class CausalLMWithLoss(nn.Module):
     """The root FSDP unit: backbone, then LM head + cross-entropy fused over chunks of tokens
     (muonrun/model/loss.py), so the full [tokens x vocab] fp32 logits never exist (151,936-way vocab for
-    Qwen2). `loss_chunk_tokens=0` computes all logits at once."""
+    Qwen2). `loss_chunk_tokens=0` computes all logits at once.
 
-    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 4096, compile_loss: bool = False):
+    A mixture-of-experts model (`router_aux_loss_coef` not None) also adds the router's
+    load-balancing loss times the coefficient to what backward sees; the value returned stays the LM
+    loss (the aux term enters as `c * aux - (c * aux).detach()`, exactly 0 in value), so the logged and
+    evaluated loss is comparable with a dense model's. The aux loss itself is summed on the device
+    for logging (`moe_telemetry`), and while `watch_experts` is set each forward keeps the expert
+    load statistics of its router logits. A dense model runs the plain path."""
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        loss_chunk_tokens: int = 4096,
+        compile_loss: bool = False,
+        router_aux_loss_coef: float | None = None,
+    ):
         super().__init__()
         self.lm = lm
         self.loss_chunk_tokens = loss_chunk_tokens
         self.compile_loss = compile_loss
+        self.router_aux_loss_coef = router_aux_loss_coef if is_moe(lm.config) else None
+        self.watch_experts = False
+        self._aux_sum: torch.Tensor | None = None
+        self._aux_count = 0
+        self._expert_load: dict[str, torch.Tensor] = {}
         head = lm.get_output_embeddings()
         assert isinstance(head, nn.Linear) and head.bias is None, (
             "the fused loss expects a bias-free Linear LM head"
@@ -239,12 +266,38 @@ class CausalLMWithLoss(nn.Module):
         # use_cache=False: training needs no KV cache, and a cache object in the call makes every
         # compiled decoder layer guard on its own cache slot, so each layer recompiles and all past
         # torch._dynamo's recompile limit (8) silently run eager.
-        hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        if self.router_aux_loss_coef is None:
+            hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            return self._lm_loss(hidden, labels)
+        out = self.lm.base_model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+        loss = self._lm_loss(out.last_hidden_state, labels)
+        if not torch.is_grad_enabled():  # evaluation: the LM loss alone
+            return loss
+        aux = load_balancing_loss(out.router_logits, self.lm.config)
+        detached = aux.detach()
+        self._aux_sum = detached if self._aux_sum is None else self._aux_sum + detached
+        self._aux_count += 1
+        if self.watch_experts:
+            self._expert_load = expert_load(out.router_logits, experts_per_token(self.lm.config))
+        scaled = self.router_aux_loss_coef * aux
+        return loss + (scaled - scaled.detach())
+
+    def _lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight = self.lm.get_output_embeddings().weight
         total = linear_cross_entropy_sum(
             hidden.flatten(0, 1), weight, labels.flatten(), self.loss_chunk_tokens, self.compile_loss
         )
         return total / labels.numel()
+
+    def moe_telemetry(self) -> dict[str, torch.Tensor]:
+        """Since the last call (0-d device tensors, per rank): `aux_loss`, the mean load-balancing loss
+        of the training forwards, and the expert load of the last watched one (`expert_load`); then a
+        new window. Empty for a dense model."""
+        if self.router_aux_loss_coef is None or self._aux_sum is None:
+            return {}
+        values = {"aux_loss": self._aux_sum / self._aux_count, **self._expert_load}
+        self._aux_sum, self._aux_count, self._expert_load = None, 0, {}
+        return values
 
 
 def count_params(model: nn.Module) -> dict[str, int]:
@@ -261,7 +314,9 @@ def flops_per_token(hf_config, seq_len: int) -> float:
 
     Matmul weights: per layer q,k,v,o and the 3 MLP matrices, plus the LM head; attention scores and
     values add 2 * 2 * seq_len * d_attn per layer in forward, halved because the mask is causal.
-    Embedding lookups, norms and activations are not counted (as in PaLM/torchtitan MFU).
+    Embedding lookups, norms and activations are not counted (as in PaLM/torchtitan MFU). A
+    mixture-of-experts model counts the weights a token is routed through, not all it has: its top-k
+    experts, the shared expert and the router (muonrun/model/moe.py `active_matmul_params`).
     """
     h = hf_config.hidden_size
     layers = hf_config.num_hidden_layers
@@ -270,7 +325,8 @@ def flops_per_token(hf_config, seq_len: int) -> float:
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
     inter = hf_config.intermediate_size
     attn_proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o and k, v
-    mlp = 3 * h * inter  # gate, up, down
-    matmul_params = layers * (attn_proj + mlp) + h * hf_config.vocab_size
+    mlp = layers * 3 * h * inter  # gate, up, down
+    moe = active_matmul_params(hf_config)
+    matmul_params = layers * attn_proj + (mlp if moe is None else moe) + h * hf_config.vocab_size
     attention = layers * 2 * 2 * seq_len * heads * head_dim / 2
     return 3 * (2 * matmul_params + attention)

@@ -62,6 +62,12 @@ shard. On an HSDP mesh ``(dp_replicate, dp_shard)`` the exchange runs over the `
 dimension (gradients are already averaged over the replicate one). Any other placement (e.g. a
 tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
 
+Stacked experts (mixture of experts)
+------------------------------------
+A 3-D ``[E, out, in]`` parameter in a param group with ``matrices_per_expert`` set is a batch of
+expert matrices, each orthogonalised on its own on the rank that holds the expert, with no exchange
+(``muonrun.optim.experts`` says how; other 3-D parameters are refused).
+
 Optimizer state is one ``momentum_buffer`` per matrix with the parameter's type and placement
 (AdamW keeps two), and for NorMuon a ``second_moment`` (fp32, one entry per row, a 1-D DTensor with
 the parameter's mesh and placements, so each rank holds its rows' entries), present on every rank,
@@ -74,13 +80,13 @@ tests/dist/muon_bench.py`` measures them on GPUs, ``benchmarks/bench_muon_cpu.py
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from muonrun.distributed import local_tensor
+from muonrun.optim.experts import check_stacked, expert_rows_like, orthogonalize_stacked
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
     DEFAULT_EPS,
@@ -96,6 +102,7 @@ from muonrun.optim.newton_schulz import (
     resolve_ns_coefficients,
     uses_gram_form,
 )
+from muonrun.optim.settings import NS_DTYPES, VARIANTS, NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
@@ -106,57 +113,9 @@ from muonrun.optim.sharding import (
     scatter_rows,
     shard_info,
 )
-from muonrun.optim.telemetry import Sums, sum_of_squares
+from muonrun.optim.telemetry import Sums, reduce_group, sum_of_squares
 
 __all__ = ["Muon"]
-
-
-VARIANTS = ("muon", "normuon")
-NS_DTYPES = (torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class NSSettings:
-    """How one param group's matrices are orthogonalised (and, for NorMuon, normalised on the owner);
-    matrices that share it batch together."""
-
-    per_step: tuple[Coefficients, ...]
-    norm_scale: float
-    eps: float
-    normuon: tuple[float, float] | None  # NorMuon's (beta2, eps); None: plain Muon
-
-    @classmethod
-    def of(cls, group: dict) -> NSSettings:
-        per_step, norm_scale = resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
-        normuon = (float(group["beta2"]), float(group["normuon_eps"]))
-        return cls(
-            per_step, norm_scale, float(group["eps"]), normuon if group["variant"] == "normuon" else None
-        )
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """One param group's hyperparameters, read once per step (the schedule may change ``lr``)."""
-
-    lr: float
-    weight_decay: float
-    momentum: float
-    nesterov: bool
-    adjust_lr_fn: str | None
-
-    @classmethod
-    def of(cls, group: dict) -> StepSettings:
-        return cls(
-            lr=_to_float(group["lr"]),
-            weight_decay=float(group["weight_decay"]),
-            momentum=float(group["momentum"]),
-            nesterov=bool(group["nesterov"]),
-            adjust_lr_fn=group["adjust_lr_fn"],
-        )
-
-
-def _to_float(x: float | Tensor) -> float:
-    return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
 class Muon(torch.optim.Optimizer):
@@ -223,7 +182,7 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
-        if not _to_float(lr) >= 0.0:
+        if not to_float(lr) >= 0.0:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
         if not momentum >= 0.0:
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
@@ -245,6 +204,7 @@ class Muon(torch.optim.Optimizer):
             "variant": variant,
             "beta2": beta2,
             "normuon_eps": normuon_eps,
+            "matrices_per_expert": None,  # set in a group of stacked experts: 1, or 2 for gate_up_proj
         }
         super().__init__(params, defaults)
         self.bucket_numel = int(bucket_numel)
@@ -273,10 +233,13 @@ class Muon(torch.optim.Optimizer):
         resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
         for i, p in enumerate(group["params"]):
             name = self._param_name(gi, i, p)
-            if p.ndim != 2:
+            if p.ndim == 3 and group["matrices_per_expert"]:  # stacked experts [E, out, in]
+                check_stacked(p, group["matrices_per_expert"], name)
+            elif p.ndim != 2:
                 raise ValueError(
-                    f"Muon only supports 2D parameters whereas we found {name}. Embeddings, the LM head, "
-                    "norms and biases belong to AdamW (see muonrun.optim.groups.split_params)."
+                    f"Muon only supports 2D parameters (and 3D stacked experts) whereas we found {name}. "
+                    "Embeddings, the LM head, norms and biases belong to AdamW (see "
+                    "muonrun.optim.groups.split_params)."
                 )
             if torch.is_complex(p):
                 raise ValueError(f"Muon does not support complex parameters ({name})")
@@ -296,7 +259,7 @@ class Muon(torch.optim.Optimizer):
             (gi, i, p)
             for gi, group in enumerate(self.param_groups)
             for i, p in enumerate(group["params"])
-            if p.grad is not None
+            if p.grad is not None and p.ndim == 2
         ]
         key = (tuple((gi, id(p)) for gi, _, p in active), ns, self.ns_dtype, self.gram)
         if self._plan is None or key != self._plan_key:
@@ -325,13 +288,23 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         plan = self._get_plan()
         settings = [StepSettings.of(group) for group in self.param_groups]
-        if self.collect_telemetry and plan:
-            self._sums = Sums(("update", "momentum", "ortho_residual"), plan[0].device)
+        stacked = [
+            (gi, p)
+            for gi, g in enumerate(self.param_groups)
+            for p in g["params"]
+            if p.ndim == 3 and p.grad is not None
+        ]
+        if self.collect_telemetry and (plan or stacked):
+            device = plan[0].device if plan else local_tensor(stacked[0][1]).device
+            self._sums = Sums(("update", "momentum", "ortho_residual"), device)
         for part in plan:
             self._step_partition(part, settings)
+        for gi, p in stacked:
+            self._step_stacked(gi, p, settings[gi])
         if self._sums is not None:
             total, self._sums = self._sums.total(), None
             numel = sum(it.rows * it.cols for part in plan for b in part.buckets for it in b.items)
+            numel += sum(p.numel() for _, p in stacked)
             self.telemetry = {
                 "update_rms": (total["update"] / numel).sqrt(),
                 "momentum_norm": total["momentum"].sqrt(),
@@ -346,11 +319,41 @@ class Muon(torch.optim.Optimizer):
         return state["momentum_buffer"]
 
     def _second_moment(self, p: Tensor) -> Tensor:
-        """NorMuon's per-row EMA of the mean square of the Newton–Schulz result (fp32, rows of p)."""
+        """NorMuon's per-row EMA of the mean square of the Newton–Schulz result (fp32, rows of p; a
+        stacked expert parameter's [E, out], laid out like its experts)."""
         state = self.state[p]
         if "second_moment" not in state:
-            state["second_moment"] = rows_like(p)
+            state["second_moment"] = expert_rows_like(p) if p.ndim == 3 else rows_like(p)
         return state["second_moment"]
+
+    def _step_stacked(self, gi: int, p: Tensor, s: StepSettings) -> None:
+        """One stacked expert parameter: momentum, then every matrix of this rank's experts
+        orthogonalised in one batch (NorMuon: normalised), weight decay and the update, all local."""
+        group = self.param_groups[gi]
+        ns = NSSettings.of(group)
+        local, buf = local_tensor(p), local_tensor(self._momentum_buffer(p))
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        grad = local_tensor(grad)
+        buf.lerp_(grad, 1 - s.momentum)
+        u = grad.lerp(buf, s.momentum) if s.nesterov else buf
+        v = local_tensor(self._second_moment(p)) if ns.normuon else None
+        update, shape = orthogonalize_stacked(
+            u, group["matrices_per_expert"], ns, self.ns_dtype, self._newton_schulz, v
+        )
+        self.stats["orthogonalized"] += update.shape[0]
+        self.stats["gram"] += update.shape[0] * (self.gram and uses_gram_form(shape, len(ns.per_step)))
+        update = update.view(local.shape)
+        alpha = -adjust_lr(s.lr, s.adjust_lr_fn, shape)
+        if self._sums is not None:
+            pg = reduce_group(p)
+            self._sums.add(pg, "momentum", sum_of_squares([buf]))
+            delta = torch.add(local * (-s.lr * s.weight_decay), update, alpha=alpha)
+            self._sums.add(pg, "update", sum_of_squares([delta]))
+        if s.lr * s.weight_decay != 0.0:
+            local.mul_(1 - s.lr * s.weight_decay)
+        local.add_(update, alpha=alpha)
 
     def _prepare(self, part: Partition, bucket: Bucket, settings: Sequence[StepSettings]) -> Tensor:
         """Momentum on local rows; writes the slabs (padding zeroed, NorMuon's v appended) to send."""

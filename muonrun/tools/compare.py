@@ -214,13 +214,18 @@ METRICS = [
 
 def telemetry_summary(run: Run) -> dict:
     """The telemetry a run logged, over the whole run: the largest `max_attention_logit`, the sum of
-    `qk_clipped_heads`, the median of each `update_rms_<optimizer>`. Keys it did not log are absent."""
+    `qk_clipped_heads`, the last `aux_loss`, `expert_load_max_mean` and `router_entropy` (MoE), the
+    median of each `update_rms_<optimizer>`. Keys it did not log are absent."""
     out: dict = {}
     logits = [r["max_attention_logit"] for r in run.train if r.get("max_attention_logit") is not None]
     if logits:
         out["max_attention_logit"] = max(logits)
     if any("qk_clipped_heads" in r for r in run.train):
         out["qk_clipped_heads"] = sum(r.get("qk_clipped_heads") or 0 for r in run.train)
+    for key in ("aux_loss", "expert_load_max_mean", "router_entropy"):  # mixture of experts: the last logged
+        last = [r[key] for r in run.train if r.get(key) is not None]
+        if last:
+            out[key] = last[-1]
     for key in sorted({k for r in run.train for k in r if k.startswith("update_rms_")}):
         out[key] = _median([r.get(key) for r in run.train])
     return out
@@ -234,6 +239,9 @@ def table_metrics(rows: list[dict]) -> list[tuple[str, str, str]]:
         for k, title, fmt in [
             ("max_attention_logit", "max attention logit", "{:.1f}"),
             ("qk_clipped_heads", "heads QK-clipped", "{:,.0f}"),
+            ("aux_loss", "router balance loss (last)", "{:.4f}"),
+            ("expert_load_max_mean", "busiest expert / mean (last)", "{:.2f}x"),
+            ("router_entropy", "router entropy, nats (last)", "{:.3f}"),
             ("eval_target", "eval target", "{:.4f}"),
             ("tokens_to_eval_target", "tokens to eval target", "{:,}"),
         ]

@@ -37,6 +37,22 @@ BYTE_TOKENIZER_NOTE = (
 )
 
 
+def hub_layout(tensors: dict[str, torch.Tensor], cfg, hf_config) -> dict[str, torch.Tensor]:
+    """The tensors as the model's Hub checkpoints name them. transformers keeps some weights in another
+    layout in memory than in its files (a mixture of experts' stacked `experts.gate_up_proj` [E, 2I, H]
+    is `experts.N.gate_proj.weight` and `up_proj` per expert on the Hub) and converts on load; this
+    undoes it, as `save_pretrained` does, so that other tools read the export too. A model without
+    such conversions is returned as it is."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from muonrun.model.build import build_model
+    from muonrun.model.moe import is_moe
+
+    if not is_moe(hf_config):
+        return tensors
+    return revert_weight_conversion(build_model(cfg.model, hf_config), dict(tensors))
+
+
 def export_hf(
     checkpoint: str | os.PathLike,
     out: str | os.PathLike,
@@ -95,7 +111,7 @@ def export_hf(
             "features exports that way (--adapter-only is for LoRA runs: model.lora.enabled is false in its "
             "config.yaml); export it without the option."
         )
-    sd = job.tensors
+    sd = hub_layout(job.tensors, cfg, hf_config)
     sd = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sd.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # transformers ties it back to the input embedding

@@ -43,6 +43,8 @@ def activation_gib(hf, c, param_bytes: int) -> float:
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or h // heads
     q, kv = heads * head_dim, (getattr(hf, "num_key_value_heads", None) or heads) * head_dim
+    if moe_inter := mlp_width(hf):  # MoE: each token's top-k experts and the shared expert, plus routing
+        inter = moe_inter
     per_layer = param_bytes * (4 * h + 3 * q + 3 * kv + 4 * inter) + (16 * h if param_bytes == 2 else 0)
     kept = {"none": layers, "full": 0, "selective": layers // 2}[c.parallel.activation_checkpointing]
     layer_bytes = tokens * (
@@ -55,6 +57,32 @@ def activation_gib(hf, c, param_bytes: int) -> float:
         + chunk * hf.vocab_size * (param_bytes + 12)
     )
     return (layer_bytes + head_bytes) / GIB
+
+
+def mlp_width(hf) -> int | None:
+    """An MoE layer's MLP width per token for activations: top-k routed experts, the shared expert and
+    the gathered copies of the tokens each expert runs (about one more width); None for a dense model."""
+    from muonrun.model.moe import experts_per_token, is_moe
+
+    if not is_moe(hf):
+        return None
+    shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
+    return experts_per_token(hf) * (hf.moe_intermediate_size + hf.hidden_size // 2) + shared
+
+
+def expert_ns_flops(stacked: list, steps: int, dp_shard: int, gram: bool = False) -> list[int]:
+    """Newton–Schulz FLOPs per rank for stacked expert parameters (shape [E, out, in], matrices per
+    expert k): each rank orthogonalises the matrices [out / k, in] of the experts it holds
+    (torch.chunk over dp_shard ranks: ceil(E / dp_shard) each, the last ranks fewer)."""
+    from muonrun.optim.newton_schulz import newton_schulz_flops
+    from muonrun.optim.sharding import local_rows
+
+    per_rank = [0] * dp_shard
+    for shape, k in stacked:
+        cost = newton_schulz_flops((shape[1] // k, shape[2]), steps, gram)
+        for r in range(dp_shard):
+            per_rank[r] += local_rows(shape[0], dp_shard, r) * k * cost
+    return per_rank
 
 
 def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = False) -> dict[str, list[int]]:
@@ -83,6 +111,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.launch.launcher import default_nproc
     from muonrun.model.build import check_model, count_params
     from muonrun.model.build import flops_per_token as model_flops_per_token
+    from muonrun.optim.experts import matrices_per_expert
     from muonrun.optim.groups import split_params
 
     nnodes = cfg.launch.nnodes
@@ -103,7 +132,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         muon_patterns=cfg.optimizer.muon.muon_patterns,
         adamw_patterns=cfg.optimizer.muon.adamw_patterns,
     )
-    muon_params = sum(p.numel() for _, p in split.muon)
+    muon_params = sum(p.numel() for _, p in split.muon + split.experts)
     tokens_per_step = cfg.tokens_per_step(world)
     fpt = flops_per_token(features, model_flops_per_token(hf, cfg.data.seq_len), model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
@@ -129,6 +158,16 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
             )
             if cfg.optimizer.name == "muon"
             else 0
+        ),
+        "expert_ns_flops_per_rank_step": (
+            expert_ns_flops(
+                [(p.shape, matrices_per_expert(n)) for n, p in split.experts],
+                cfg.optimizer.muon.ns_steps,
+                shard,
+                cfg.optimizer.muon.gram_ns,
+            )
+            if cfg.optimizer.name == "muon"
+            else [0] * shard
         ),
         "memory_gib_per_rank": memory_per_rank(params, muon_params, cfg.optimizer.name, shard, param_bytes),
         "activation_gib_per_rank": activation_gib(hf, cfg, param_bytes),
@@ -175,6 +214,8 @@ def print_plan(cfg: Config, world_size: int | None) -> None:
     rows[-1:-1] = s["feature_rows"]
     if s["ns_flops_per_rank_step"]:
         per_rank, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
+        experts = s["expert_ns_flops_per_rank_step"]  # on the ranks that hold the experts, no choice of owner
+        per_rank = {k: [a + b for a, b in zip(v, experts, strict=True)] for k, v in per_rank.items()}
         ns, rr = max(per_rank["balanced"]), max(per_rank["round_robin"])
         average = sum(per_rank["balanced"]) / len(per_rank["balanced"])
         rows.insert(

@@ -22,6 +22,7 @@ from muonrun.features import enabled, flops_per_token
 from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
 from muonrun.model.build import flops_per_token as model_flops_per_token
 from muonrun.model.hf import load_pretrained
+from muonrun.model.moe import router_aux_loss_coef
 from muonrun.model.parallelize import parallelize
 from muonrun.observe.metrics import Metrics, optimizer_telemetry
 from muonrun.observe.profiling import StepProfiler, phase
@@ -91,6 +92,7 @@ class Trainer:
             build_model(cfg.model, self.hf_config, self.features),
             cfg.train.loss_chunk_tokens,
             cfg.parallel.compile_loss,
+            router_aux_loss_coef(cfg, self.hf_config),
         )
         parallelize(self.model, self.dist.mesh, cfg.parallel, device_type, self.features)
         self.model.to_empty(device=self.dist.device)
@@ -173,6 +175,7 @@ class Trainer:
         accum = self.cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.dist.device)
         data_wait = 0.0
+        self.model.watch_experts = self.logs(self.state.step + 1)  # MoE load statistics: logged steps
         for _ in range(accum):
             with phase("data"):
                 batch, wait = self.next_batch()
@@ -214,6 +217,7 @@ class Trainer:
     def telemetry(self) -> dict[str, torch.Tensor]:
         """This step's optimizer and features' telemetry as device tensors (read one step late)."""
         values = optimizer_telemetry(self.optimizers) if self.cfg.logging.optimizer_telemetry else {}
+        values.update(self.model.moe_telemetry())
         for feature in self.features:
             values.update(feature.telemetry())
         return values
