@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sysconfig
@@ -21,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from muonrun import log
 from muonrun.config.schema import Config
 from muonrun.errors import UserError
 
@@ -271,12 +273,32 @@ def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
     return out
 
 
+def _non_finite(node: Any, key: str = "") -> tuple[str, float] | None:
+    """The first float in a resolved config tree that is nan or inf, with its dotted key."""
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return (key, node) if isinstance(node, float) and not math.isfinite(node) else None
+    for k, v in items:
+        found = _non_finite(v, f"{key}.{k}" if key else str(k))
+        if found:
+            return found
+    return None
+
+
 def validate(cfg: DictConfig) -> None:
-    """The checks no single section can make, after the sections' own (run by `to_object`). Raises UserError."""
+    """The checks no single section can make, after the sections' own (run by `to_object`). Raises UserError;
+    a setting that will run, but not as its user likely means, is warned about."""
     try:
         c = to_object(cfg)
     except OmegaConfBaseException as e:
         raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None
+    # nan and inf pass every range check (a comparison with nan is False), so they are refused here, once
+    found = _non_finite(OmegaConf.to_container(cfg, resolve=True))
+    if found:
+        raise UserError(f"Config key '{found[0]}' is {found[1]}; it must be a finite number.")
     for key, allowed in choices().items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -305,4 +327,12 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(
             "Config key 'parallel.float8' is set with model.lora.enabled: float8 matmuls are not available "
             "for LoRA's frozen layers yet. Set parallel.float8=none."
+        )
+    warmup, steps = c.schedule.warmup_steps, c.train.max_steps
+    if warmup >= steps:
+        log.warning(
+            f"schedule.warmup_steps ({warmup}) is not shorter than train.max_steps ({steps}): the learning rate "
+            f"rises for the whole run, reaching {steps / warmup:.0%} of its peak at the last step, and the "
+            f"{c.schedule.name} schedule's decay never starts. Lower schedule.warmup_steps (a few percent of "
+            "train.max_steps is usual)."
         )

@@ -118,9 +118,11 @@ def check_output_dir(out: Path) -> None:
 def launch(cfg: DictConfig) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.data import check_data
+    from muonrun.distributed import check_device
     from muonrun.model.build import check_model
     from muonrun.train.trainer import run_worker
 
+    check_device(to_object(cfg))
     plan = make_plan(cfg)
     c = to_object(cfg)
     tokenizer = check_data(c)

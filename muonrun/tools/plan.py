@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from muonrun import log
 from muonrun.config import to_object
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
@@ -57,6 +58,36 @@ def activation_gib(hf, c, param_bytes: int) -> float:
         + chunk * hf.vocab_size * (param_bytes + 12)
     )
     return (layer_bytes + head_bytes) / GIB
+
+
+def device_memory(c, workers_per_node: int) -> tuple[float, str] | None:
+    """(GiB one worker has, what that is) on this machine: the first GPU's memory for a GPU plan, an even
+    share of the machine's memory for a CPU plan; None for a GPU plan on a machine without GPUs."""
+    import os
+
+    import torch
+
+    if c.train.device != "cpu":
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, f"{props.name}'s {props.total_memory / GIB:.0f} GiB"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return total / workers_per_node, f"{total:.0f} GiB of this machine's memory / {workers_per_node} workers"
+
+
+def memory_warning(s: dict, c) -> str | None:
+    """A warning when the planned memory per rank (states + rough activations) exceeds what a worker has."""
+    have = device_memory(c, s["world_size"] // s["nnodes"])
+    states, acts = sum(s["memory_gib_per_rank"].values()), s["activation_gib_per_rank"]
+    if have is None or states + acts <= have[0]:
+        return None
+    return (
+        f"this plan needs about {states + acts:.1f} GiB per rank ({states:.1f} GiB of weights, gradients and "
+        f"optimizer state, ~{acts:.1f} GiB of activations), more than a worker has ({have[1]}): it will run out "
+        "of memory. Shard over more ranks, set parallel.activation_checkpointing=full, or lower "
+        "train.micro_batch_size or data.seq_len."
+    )
 
 
 def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = False) -> dict[str, list[int]]:
@@ -224,3 +255,6 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+    warning = memory_warning(s, c)
+    if warning:
+        log.warning(warning)
