@@ -64,7 +64,10 @@ def test_config_docs_is_a_reference():
         (["pretrain", "tiny", "--dry-run", "optimizer.lr=nan"], "'optimizer.lr' is nan; it must be a finite"),
         (["pretrain", "tiny", "--dry-run", "optimizer.muon.lr=inf"], "'optimizer.muon.lr' is inf"),
         (["pretrain", "tiny", "--dry-run", "+model.hf.rope_theta=-.inf"], "'model.hf.rope_theta' is -inf"),
-        (["pretrain", "tiny", "--dry-run", "optimizer.muon.ns_steps=0"], "at least 1 Newton–Schulz iteration"),
+        (
+            ["pretrain", "tiny", "--dry-run", "optimizer.muon.ns_steps=0"],
+            "at least 1 Newton–Schulz iteration",
+        ),
         (
             ["pretrain", "tiny", "--dry-run", "data.seq_len=100000"],
             "'data.seq_len' is 100000, longer than the model's max_position_embeddings of 1024",
