@@ -244,20 +244,50 @@ def to_object(cfg: DictConfig) -> Config:
     return OmegaConf.to_object(cfg)
 
 
-def from_yaml(text: str) -> DictConfig:
+def from_yaml(text: str, source: str = "from the launcher") -> DictConfig:
     """Rebuild a validated config from `to_yaml` output: how the launcher hands the config to workers, and
-    how a run's saved config.yaml is read back (`muonrun export`)."""
-    saved = OmegaConf.create(text)
+    how a checkpoint's saved config.yaml is read back (`muonrun export`). `source` names it in errors."""
+    try:
+        saved = OmegaConf.create(text)
+    except Exception as e:  # yaml's parser errors
+        raise UserError(f"Config {source} is not valid YAML: {' '.join(str(e).split())[:300]}.") from None
+    if not isinstance(saved, DictConfig):
+        raise UserError(f"Config {source} must hold a mapping of keys, not a {type(saved).__name__}.")
     for key in RETIRED_KEYS:  # config.yaml of a run saved before the key was retired
         parent_key, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(saved, parent_key)
         if isinstance(parent, DictConfig) and leaf in parent:
             del parent[leaf]
-    return _merge(OmegaConf.structured(Config), saved, "from the launcher")
+    return _merge(OmegaConf.structured(Config), saved, source)
 
 
-def to_yaml(cfg: DictConfig) -> str:
+def to_yaml(cfg: DictConfig | Config) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def _flat(node: Any, key: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        return {
+            k: v
+            for name, child in node.items()
+            for k, v in _flat(child, f"{key}.{name}" if key else name).items()
+        }
+    return {key: node}
+
+
+def differences(old_yaml: str, new_yaml: str, keys: tuple[str, ...]) -> list[str]:
+    """`key: OLD -> NEW` for every setting under `keys` (dotted keys or whole sections) whose value
+    differs between two saved configs (e.g. a checkpoint's config.yaml and this run's)."""
+    old, new = (
+        _flat(OmegaConf.to_container(OmegaConf.create(t), resolve=True)) for t in (old_yaml, new_yaml)
+    )
+    under = [k for k in dict.fromkeys([*old, *new]) if any(k == p or k.startswith(f"{p}.") for p in keys)]
+    missing = "(not set)"
+    return [
+        f"{k}: {old.get(k, missing)} -> {new.get(k, missing)}"
+        for k in under
+        if old.get(k, missing) != new.get(k, missing)
+    ]
 
 
 def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:

@@ -105,10 +105,12 @@ def read_error(e: Exception, src, key: str, files: list[str] | None) -> UserErro
 
 def _json_layout_error(e: BaseException) -> bool:
     """datasets' JSON reader failed on a record that does not fit the columns or types it had settled on
-    (from the first 10 MB of the first file), or on a line that is not JSON."""
+    (from the first 10 MB of the first file), or on a line that is not JSON or not an object (pandas'
+    fallback reader then says "Trailing data")."""
     text = str(e)
     return type(e).__name__ in ("CastError", "ArrowInvalid", "ArrowTypeError", "JSONDecodeError") or any(
-        s in text for s in ("changed from", "Expected object or value", "column names don't match")
+        s in text
+        for s in ("changed from", "Expected object or value", "column names don't match", "Trailing data")
     )
 
 
@@ -117,7 +119,8 @@ def _json_read_error(src, key: str, files: list[str], detail: str) -> UserError:
 
     # what stops the reader: a line that is not JSON, a text of another type, a record without it
     field = src.text_field
-    where = locate("json", files, field, rule=lambda r, f: isinstance(r, NotJson))
+    # a line that is valid JSON but no object (an array, a string) is as unreadable as one that is not JSON
+    where = locate("json", files, field, rule=lambda r, f: isinstance(r, NotJson) or not isinstance(r, dict))
     if where is not None:
         return UserError(
             f"Source '{key}' ({src.path}): {where.place()} {problem(where.record, field)}. A JSON-lines file "

@@ -117,6 +117,7 @@ def check_output_dir(out: Path) -> None:
 
 def launch(cfg: DictConfig) -> int:
     """Run the job described by a validated config; returns the process exit code."""
+    from muonrun.checkpoint import check_run_folder
     from muonrun.data import check_data
     from muonrun.distributed import check_device
     from muonrun.model.build import check_model
@@ -134,9 +135,10 @@ def launch(cfg: DictConfig) -> int:
         check_available(pick_device_type(c))
     config_yaml = to_yaml(cfg)
     out = Path(c.output_dir)
+    check_run_folder(out)  # before anything is created there
     check_output_dir(out)
-    if plan.node_rank == 0:
-        (out / "config.yaml").write_text(config_yaml)
+    # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
+    # refused at resume leaves the folder's config as it was.
     os.environ["MUONRUN_LAUNCHER_PID"] = str(os.getpid())  # where MUONRUN_FAULT=term@STEP sends SIGTERM
     if plan.in_process:
         from muonrun.distributed import release_process_groups
