@@ -379,12 +379,17 @@ def test_text_files_are_one_document_each(tmp_path):
         assert np.array_equal(np.asarray(entry.tokens), byte_stream([files["a.py"], files["pkg/b.txt"]]))
 
 
+def entries(root) -> list:
+    """The cache entries in a cache folder (beside them: `datasets`, datasets' own files)."""
+    return [p for p in root.iterdir() if p.is_dir() and p.name != "datasets"]
+
+
 def test_cache_is_reused_and_follows_file_changes(corpus, monkeypatch):
     texts, path = corpus
     tok = build_tokenizer("byte")
     cfg = make_cfg([path], seq_len=16)
     root = prepare(cfg)
-    (entry,) = [p for p in root.iterdir() if p.is_dir()]
+    (entry,) = entries(root)
     meta, mtime = json.loads((entry / "meta.json").read_text()), (entry / "tokens.bin").stat().st_mtime_ns
     assert meta["num_tokens"] == len(byte_stream(texts)) and meta["num_docs"] == len(texts)
 
@@ -400,7 +405,7 @@ def test_cache_is_reused_and_follows_file_changes(corpus, monkeypatch):
     write_jsonl(path, texts[:40])  # an edited file is a new cache entry
     os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
     assert ensure_cached(cfg.data.sources[0], "k", tok, cfg.data).meta["num_docs"] == 40
-    assert len([p for p in root.iterdir() if p.is_dir()]) == 2
+    assert len(entries(root)) == 2
 
 
 def _build_in_child(cfg, queue):
@@ -423,9 +428,7 @@ def test_concurrent_builds_make_one_entry(corpus):
     assert [p.exitcode for p in procs] == [0, 0, 0]
     paths = {queue.get(timeout=5) for _ in procs}
     root = cache_mod.cache_root(cfg.data)
-    assert len(paths) == 1 and [p.name for p in root.iterdir() if p.is_dir()] == [
-        os.path.basename(paths.pop())
-    ]
+    assert len(paths) == 1 and [p.name for p in entries(root)] == [os.path.basename(paths.pop())]
 
 
 # -- user errors --------------------------------------------------------------------------------------------
@@ -683,6 +686,29 @@ def test_a_line_that_is_not_json_is_named(tmp_path):
             check_data(bad_cfg(path, streaming))
         with pytest.raises(UserError, match=rf"line 2 of '{path}' is not JSON"):
             next(build_loader(bad_cfg(path, streaming, seq_len=2), build_tokenizer("byte")))
+
+
+def test_a_line_that_is_json_but_not_an_object_is_named(tmp_path):
+    first = write_lines(tmp_path / "arrays.jsonl", [["a", "b"], ["c"]])  # starts like one JSON array
+    later = write_lines(tmp_path / "later.jsonl", [{"text": "a"}, {"text": "b"}, ["c"]])
+    for path, line in ((first, 1), (later, 3)):
+        for streaming in (False, True):
+            with pytest.raises(UserError, match=rf"line {line} of '{path}' is not an object \(\["):
+                check_data(bad_cfg(path, streaming))
+
+
+def test_datasets_own_files_go_under_the_data_cache(corpus, tmp_path):
+    """datasets' Arrow copy of a local source and its locks: under data.cache_dir, not in datasets'
+    default cache (HF_DATASETS_CACHE, pointed at tmp_path/hf-datasets by the autouse fixture)."""
+    _, path = corpus
+    cache = tmp_path / "cache"
+    for streaming in (False, True):
+        cfg = make_cfg([SourceConfig(path=path, streaming=streaming)], cache_dir=str(cache))
+        check_data(cfg)
+        next(build_loader(cfg, build_tokenizer("byte")))
+    prepare(make_cfg([path], cache_dir=str(cache)))
+    assert not (tmp_path / "hf-datasets").exists()
+    assert any((cache / "datasets").iterdir())
 
 
 def test_quoted_texts_are_fine(tmp_path):

@@ -22,7 +22,6 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from muonrun import log
 from muonrun.config.schema import Config
 from muonrun.errors import UserError
 
@@ -360,6 +359,8 @@ def validate(cfg: DictConfig) -> None:
         )
     warmup, steps = c.schedule.warmup_steps, c.train.max_steps
     if warmup >= steps:
+        from muonrun import log  # installs the "muonrun" logger's handler: only when there is a warning
+
         log.warning(
             f"schedule.warmup_steps ({warmup}) is not shorter than train.max_steps ({steps}): the learning rate "
             f"rises for the whole run, reaching {steps / warmup:.0%} of its peak at the last step, and the "

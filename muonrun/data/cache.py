@@ -48,6 +48,12 @@ def cache_root(data_cfg) -> Path:
     return Path(root).expanduser()
 
 
+def datasets_cache(data_cfg) -> str:
+    """Where `datasets` keeps its own files for local sources (the Arrow copy it reads them into, locks):
+    inside muonrun's cache, so nothing lands in ~/.cache/huggingface when data.cache_dir is set."""
+    return str(cache_root(data_cfg) / "datasets")
+
+
 def cache_key(src, tok, files: list[str] | None) -> dict:
     key = {
         "version": CACHE_VERSION,
@@ -176,14 +182,15 @@ def bad_records_error(src, key: str, parts, meta: dict) -> UserError:
     return bad_record_error(src, key, where, meta["skipped_records"], meta["num_records"])
 
 
-def _write_tokens(src, key: str, tok, num_proc: int, tmp: Path, files: list[str] | None, skip: bool) -> dict:
+def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | None) -> dict:
     """Tokenize the source into tmp/tokens.bin; returns meta."""
+    num_proc, skip = data_cfg.num_proc, data_cfg.skip_bad_records
     import pyarrow as pa
 
     from muonrun.data.records import good_texts
 
     started = time.time()
-    parts = load_parts(src, key, streaming=False, files=files)
+    parts = load_parts(src, key, streaming=False, files=files, cache_dir=datasets_cache(data_cfg))
     if sum(len(p.ds) for p in parts) == 0:
         raise UserError(f"Source '{key}' ({src.path}, split '{src.split}') has no documents.")
     checked = _check_records(src, key, parts, skip)
@@ -251,7 +258,8 @@ def check_entry(entry: TokenCache, src, key: str, data_cfg, report: bool = True)
 
     skipped = entry.meta.get("skipped_records", 0)
     if skipped and not data_cfg.skip_bad_records:
-        parts = load_parts(src, key, streaming=False, files=resolve_files(src, key))
+        files = resolve_files(src, key)
+        parts = load_parts(src, key, streaming=False, files=files, cache_dir=datasets_cache(data_cfg))
         raise bad_records_error(src, key, parts, entry.meta)
     if skipped and report:
         report_skipped(("map", str(entry.path)), skipped_line(src, key, skipped, entry.meta["num_records"]))
@@ -275,7 +283,7 @@ def ensure_cached(src, key: str, tok, data_cfg, report: bool = True) -> TokenCac
         tmp.mkdir()
         try:
             log.info("tokenizing %s (%s) into %s", key, src.path, final)
-            meta = _write_tokens(src, key, tok, data_cfg.num_proc, tmp, files, data_cfg.skip_bad_records)
+            meta = _write_tokens(src, key, tok, data_cfg, tmp, files)
             meta["key"] = ckey
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             try:

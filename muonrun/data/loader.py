@@ -219,7 +219,7 @@ def _tokenizer_name(cfg) -> str:
 def check_data(cfg):
     """Cheap validation in the launcher before workers start: sources, columns, tokenizer. Raises
     UserError; returns the tokenizer."""
-    from muonrun.data.cache import cached_entry, check_entry
+    from muonrun.data.cache import cached_entry, check_entry, datasets_cache
     from muonrun.data.sources import check_source
     from muonrun.data.tokenizer import build_tokenizer
 
@@ -236,7 +236,7 @@ def check_data(cfg):
             if entry is not None:  # a cached Hub dataset needs no network
                 check_entry(entry, src, key, cfg.data, report=False)
                 continue
-            check_source(src, key, cfg.data.skip_bad_records)
+            check_source(src, key, cfg.data.skip_bad_records, datasets_cache(cfg.data))
     return tok
 
 

@@ -204,8 +204,13 @@ def _no_records(src, key: str, files: list[str]) -> UserError:
     )
 
 
-def load_parts(src, key: str, *, streaming: bool, files: list[str] | None = None) -> list[Part]:
-    """The source as one dataset per reader, each with the single column `text`, in reading order."""
+def load_parts(
+    src, key: str, *, streaming: bool, files: list[str] | None = None, cache_dir: str | None = None
+) -> list[Part]:
+    """The source as one dataset per reader, each with the single column `text`, in reading order.
+    `cache_dir`: where datasets keeps its own files for local sources (an Arrow copy, locks): under
+    muonrun's cache (data.cache_dir), not in ~/.cache/huggingface; Hub datasets stay in Hugging Face's
+    cache, where they are downloaded."""
     import datasets
 
     quiet_progress_bars()
@@ -228,7 +233,7 @@ def load_parts(src, key: str, *, streaming: bool, files: list[str] | None = None
         extra = {"sample_by": "document"} if reader == "text" else {}
         try:
             ds = datasets.load_dataset(
-                reader, data_files=group, split=src.split, streaming=streaming, **extra
+                reader, data_files=group, split=src.split, streaming=streaming, cache_dir=cache_dir, **extra
             )
         except ValueError as e:
             if "corresponds to no data" in str(e) and src.split == "train":
@@ -255,11 +260,13 @@ def load_parts(src, key: str, *, streaming: bool, files: list[str] | None = None
     return parts
 
 
-def load_source(src, key: str, *, streaming: bool, files: list[str] | None = None):
+def load_source(
+    src, key: str, *, streaming: bool, files: list[str] | None = None, cache_dir: str | None = None
+):
     """The source as a Dataset / IterableDataset with the single column `text`."""
     import datasets
 
-    parts = load_parts(src, key, streaming=streaming, files=files)
+    parts = load_parts(src, key, streaming=streaming, files=files, cache_dir=cache_dir)
     if len(parts) == 1:
         return parts[0].ds
     try:
@@ -273,7 +280,7 @@ def load_source(src, key: str, *, streaming: bool, files: list[str] | None = Non
         ) from None
 
 
-def check_source(src, key: str, skip_bad_records: bool = False) -> None:
+def check_source(src, key: str, skip_bad_records: bool = False, cache_dir: str | None = None) -> None:
     """Cheap checks before workers start: the files exist and are not all empty, the text column is there
     and the first record of each format holds a string; a Hub dataset's builder can be created (this
     needs the network or the HF cache)."""
@@ -305,7 +312,9 @@ def check_source(src, key: str, skip_bad_records: bool = False) -> None:
             continue
         first = group[0]
         try:  # streaming reads only the first rows of the first file
-            ds = datasets.load_dataset(reader, data_files=[first], split="train", streaming=True)
+            ds = datasets.load_dataset(
+                reader, data_files=[first], split="train", streaming=True, cache_dir=cache_dir
+            )
             row = next(iter(ds), None)
         except Exception as e:
             raise read_error(e, src, key, [first]) from None

@@ -252,6 +252,7 @@ def streaming_loader(
     import datasets
     from datasets.distributed import split_dataset_by_node
 
+    from muonrun.data.cache import datasets_cache
     from muonrun.data.sources import resolve_files
 
     packers = []
@@ -262,7 +263,7 @@ def streaming_loader(
         )
 
         def open_stream(epoch, src=src, key=key, files=files, checks=checks):
-            ds = load_source(src, key, streaming=True, files=files)
+            ds = load_source(src, key, streaming=True, files=files, cache_dir=datasets_cache(cfg.data))
             checks.text_is_json = isinstance((ds.features or {}).get("text"), getattr(datasets, "Json", ()))
             return split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size) if dp_size > 1 else ds
 
