@@ -147,6 +147,12 @@ class DataConfig:
     (streaming: per pass over rank 0's share). JSON whose text changes type after the first 10 MB is
     misread by datasets and stops the run either way."""
 
+    strict_resume: bool = False
+    """What a resume does when the data changed since its checkpoint (a source file edited, added or
+    removed, another tokenizer or mixture weight; see docs/checkpoints.md, "Data identity"): False warns
+    once, naming the source and file, and trains on the data as it is now; True refuses to resume (exit 2).
+    A changed data.seq_len, micro-batch size or number of ranks is reported either way, never refused."""
+
     def __post_init__(self) -> None:
         _at_least(1, **{"data.seq_len": self.seq_len, "data.num_proc": self.num_proc})
 

@@ -203,6 +203,7 @@ def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | No
 
     dtype = token_dtype(tok.vocab_size)
     num_tokens = num_docs = 0
+    digest = hashlib.sha256()  # of tokens.bin, as written: the source's exact identity (identity.py)
     with open(tmp / "tokens.bin", "wb") as out:
         for i, part in enumerate(parts):
             ds = part.ds
@@ -226,7 +227,9 @@ def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | No
                 for chunk in table.column("ids").chunks:
                     ids = chunk.flatten().to_numpy()
                     assert ids.size == 0 or int(ids.max()) < tok.vocab_size, "token id beyond the vocabulary"
-                    out.write(ids.astype(dtype).tobytes())
+                    data = ids.astype(dtype).tobytes()
+                    out.write(data)
+                    digest.update(data)
                     num_tokens += ids.size
             del mapped
     for f in tmp.glob("ids*.arrow"):
@@ -240,6 +243,7 @@ def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | No
         "dtype": dtype.name,
         "num_tokens": num_tokens,
         "num_docs": num_docs,
+        "tokens_sha256": digest.hexdigest(),
         **checked,
         "build_seconds": round(time.time() - started, 3),
     }
