@@ -428,6 +428,16 @@ def test_a_refused_resume_changes_nothing_and_export_reads_the_checkpoints_own_c
     assert "Traceback" not in result.output
 
 
+@pytest.mark.slow
+def test_a_resume_with_another_seq_len_says_so_once_across_ranks(adamw_ref, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(adamw_ref, run)
+    text = ok(pretrain(run, "data.seq_len=32", "train.max_steps=9"))
+    assert text.count("data.seq_len is 32, the checkpoint was saved with 64") == 1, text[-3000:]
+    assert "UserWarning" not in text and "data changed" not in text
+    assert "  seq_len: 32\n" in (run / "config.yaml").read_text()  # the resumed run's config, now
+
+
 def test_an_output_dir_inside_a_checkpoint_or_a_runs_checkpoints_exits_2_and_creates_nothing(tmp_path):
     run = tmp_path / "run"
     step = run / "checkpoints" / "step-20"
