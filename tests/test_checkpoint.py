@@ -155,13 +155,21 @@ def test_loader_state_follows_the_data_rule(tmp_path):
         build_loader(cfg, tok, dp_rank=2, dp_size=3).load_state_dict(old.state_dict())
 
 
-def test_stop_flag_only_records_the_signal():
-    flag = StopFlag()
-    try:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert flag.raised == signal.SIGUSR1
-    finally:
-        flag.restore()
+def test_stop_flag_only_records_the_signal_and_rank_0_says_a_save_follows_the_step(capsys, monkeypatch):
+    for rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        flag = StopFlag()
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGTERM)  # a second request: nothing more to say
+            assert flag.raised == signal.SIGTERM
+        finally:
+            flag.restore()
+        err = capsys.readouterr().err
+        line = (
+            "SIGUSR1 received: the step in progress finishes, then a checkpoint is saved and training stops"
+        )
+        assert err.count(line) == int(says) and err.count("muonrun:") == int(says), err
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 

@@ -9,6 +9,7 @@ In a multi-worker job the launcher handles Ctrl-C for its workers (muonrun/launc
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 
@@ -35,6 +36,15 @@ class StopFlag:
             print(
                 "\nmuonrun: Ctrl-C: saving a checkpoint after this step, then stopping "
                 "(Ctrl-C again stops at once, without saving).",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.raised is None and os.environ.get("RANK", "0") == "0":
+            # A step can take minutes: say at once that the request was heard and what happens next.
+            # (print, not muonrun.log: a handler may interrupt a logging call holding its lock.)
+            print(
+                f"muonrun: {signal.Signals(signum).name} received: the step in progress finishes, then a "
+                "checkpoint is saved and training stops.",
                 file=sys.stderr,
                 flush=True,
             )
