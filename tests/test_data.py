@@ -298,15 +298,15 @@ def test_a_resume_on_a_file_edited_at_the_same_size_warns_once_naming_it(tmp_pat
 def test_an_edit_between_the_sampled_blocks_is_seen_by_the_token_hash(tmp_path, capsys):
     """A 2.6 MB file: its fingerprint reads 16 blocks of 64 KiB; an edit between them changes no
     fingerprint, but the token stream the cache rebuilt (the modification time moved) differs."""
-    from muonrun.data.identity import BLOCK, file_fingerprint
+    from muonrun.data.identity import BLOCK, sampled_sha256
 
     path = write_jsonl(tmp_path / "big.jsonl", docs(30000))
     size = os.path.getsize(path)
     assert size > 16 * BLOCK * 2  # gaps between the sampled blocks
-    before = file_fingerprint(path)
+    before = sampled_sha256(path, size)
     between = (size - BLOCK) // 15 + BLOCK + 100  # past the second sampled block, before the third
     edit_in_place(path, between)
-    assert file_fingerprint(path) == before
+    assert sampled_sha256(path, size) == before
     tok = build_tokenizer("byte")
     cfg = make_cfg([path], seq_len=16)
     state = build_loader(cfg, tok).state_dict()
@@ -315,6 +315,42 @@ def test_an_edit_between_the_sampled_blocks_is_seen_by_the_token_hash(tmp_path, 
     resumed(cfg, tok, state)
     err = capsys.readouterr().err
     assert f"data.sources.0 ({path}): its text changed (the tokens differ)" in err, err
+
+
+def test_a_resume_reads_no_unchanged_file_and_a_copy_elsewhere_is_the_same_data(
+    tmp_path, capsys, monkeypatch
+):
+    from muonrun.data import identity
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    paths = [write_jsonl(folder / f"part{i}.jsonl", docs(30, seed=i)) for i in range(3)]
+    tok = build_tokenizer("byte")
+
+    def cfg(where):
+        return make_cfg([SourceConfig(path=f"{where}/*.jsonl", streaming=True)], seq_len=16, shuffle_buffer=7)
+
+    loader = build_loader(cfg(folder), tok)
+    take(loader, 2)
+    state = loader.state_dict()  # a streaming source's files are hashed here, at the first save
+
+    def no_reading(*args):
+        raise AssertionError("a file was read")
+
+    with monkeypatch.context() as m:
+        m.setattr(identity, "sampled_sha256", no_reading)
+        again = resumed(cfg(folder), tok, state)  # sizes and times unchanged: the saved hashes serve
+        assert again.state_dict()["identity"] == state["identity"]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in paths:  # another folder, new modification times, the same bytes
+        (copy / os.path.basename(path)).write_bytes(Path(path).read_bytes())
+    capsys.readouterr()
+    resumed(cfg(copy), tok, state)
+    assert capsys.readouterr().err == ""
+    os.remove(copy / "part1.jsonl")
+    resumed(cfg(copy), tok, state)
+    assert f"'{copy / 'part1.jsonl'}' is gone" in capsys.readouterr().err
 
 
 def test_a_changed_layout_is_reported_as_what_it_is_once(corpus, capsys):

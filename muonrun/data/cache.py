@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from muonrun.data.identity import fingerprints
 from muonrun.data.sources import load_parts, read_error, resolve_files
 from muonrun.data.tokenizer import encode_docs
 from muonrun.errors import UserError
@@ -190,6 +191,8 @@ def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | No
     from muonrun.data.records import good_texts
 
     started = time.time()
+    # taken before reading, as the key's sizes and times were: what a run's data identity reuses
+    prints = fingerprints(files) if files is not None else {}
     parts = load_parts(src, key, streaming=False, files=files, cache_dir=datasets_cache(data_cfg))
     if sum(len(p.ds) for p in parts) == 0:
         raise UserError(f"Source '{key}' ({src.path}, split '{src.split}') has no documents.")
@@ -244,6 +247,7 @@ def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | No
         "num_tokens": num_tokens,
         "num_docs": num_docs,
         "tokens_sha256": digest.hexdigest(),
+        "fingerprints": prints,
         **checked,
         "build_seconds": round(time.time() - started, 3),
     }

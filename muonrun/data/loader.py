@@ -32,7 +32,7 @@ import torch
 
 from muonrun.data.batches import to_batch
 from muonrun.data.cache import TokenCache, ensure_cached
-from muonrun.data.identity import DataIdentity, epoch_changed, source_identity
+from muonrun.data.identity import DataIdentity, describe_source, epoch_changed
 from muonrun.data.streaming import streaming_loader
 from muonrun.errors import UserError
 
@@ -219,17 +219,14 @@ def build_loader(
 
 def data_identity(cfg, tok, sources, entries: dict, dp_rank: int, dp_size: int) -> DataIdentity:
     """What the training loader saves beside its position (identity.py): the sources' identity on rank 0
-    (the one that reports; its files are read there only), the layout on every rank."""
+    (the one that reports), the layout on every rank. `entries`: map-style sources' cache entries."""
     from muonrun.data.sources import resolve_files
 
     identity = None
     if dp_rank == 0:
         identity = {
-            key: source_identity(
-                src,
-                resolve_files(src, key),
-                tok.fingerprint,
-                entries[key].meta.get("tokens_sha256") if key in entries else None,
+            key: describe_source(
+                src, resolve_files(src, key), tok.fingerprint, entries[key].meta if key in entries else None
             )
             for key, src in sources
         }
