@@ -4,7 +4,8 @@ tokens.bin is the source's whole token stream (every document followed by EOS), 
 vocabulary fits, else uint32, read back as a numpy memmap. Windows of seq_len+1 tokens are a reshape
 of that stream, so the cache does not depend on seq_len and changing it does not retokenize. The key
 hashes the source (path, name, split, text field, and for local files each file's size and mtime), the
-tokenizer's fingerprint (vocabulary and EOS) and CACHE_VERSION.
+tokenizer's fingerprint (vocabulary and EOS) and CACHE_VERSION. meta.json also keeps what a run's data
+identity needs (identity.py): the SHA-256 of tokens.bin and each file's sampled fingerprint.
 
 Before tokenizing, the text column's bad records are counted (records.py; free for a string column:
 its null count is Arrow metadata). By default any stops the build; with data.skip_bad_records they are

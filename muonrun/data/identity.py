@@ -7,7 +7,8 @@ A training loader's state (each rank's `rankR.pt`) carries, beside its position:
   tokenizer's fingerprint and, for local files, each file's size, modification time and a SHA-256 of
   sampled blocks (the first and last 64 KiB and 14 evenly spaced between them: at most 1 MiB read per
   file, whatever its size; a file of up to 1 MiB is hashed whole). A map-style source adds the SHA-256
-  of the token stream its cache entry holds, computed while the cache was built: exact, and free.
+  of the token stream its cache entry holds, computed while the cache was built: exact, and nothing
+  to read at start-up.
 
 What it costs: the hashes of a map-style source are taken while its cache is built (which reads every
 byte anyway) and kept in the entry's meta.json; a streaming source's are taken on rank 0 at the first
