@@ -277,6 +277,7 @@ def export_hf(
 
 
 def _export(checkpoint: Path, out: Path, dtype: str, adapter_only: bool, shown_as: Path) -> Path:
+    """`export_hf`'s work, into `out` (its staging folder); `shown_as`: the path the README names."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
