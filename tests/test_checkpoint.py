@@ -156,13 +156,21 @@ def test_loader_state_follows_the_data_rule(tmp_path):
         build_loader(cfg, tok, dp_rank=2, dp_size=3).load_state_dict(old.state_dict())
 
 
-def test_stop_flag_only_records_the_signal():
-    flag = StopFlag()
-    try:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert flag.raised == signal.SIGUSR1
-    finally:
-        flag.restore()
+def test_stop_flag_only_records_the_signal_and_rank_0_says_a_save_follows_the_step(capsys, monkeypatch):
+    for rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        flag = StopFlag()
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGTERM)  # a second request: nothing more to say
+            assert flag.raised == signal.SIGTERM
+        finally:
+            flag.restore()
+        err = capsys.readouterr().err
+        line = (
+            "SIGUSR1 received: the step in progress finishes, then a checkpoint is saved and training stops"
+        )
+        assert err.count(line) == int(says) and err.count("muonrun:") == int(says), err
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
@@ -319,7 +327,7 @@ def test_the_launcher_exits_by_what_workers_reported_not_by_their_exit_status(tm
 
 
 @pytest.mark.slow
-def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
+def test_export_round_trip_matches_logits(adamw_ref, tmp_path, reseal):
     from transformers import AutoModelForCausalLM
 
     from muonrun.model.build import build_hf_config
@@ -357,8 +365,12 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
     tok.save_pretrained(tmp_path / "tok")
     run = tmp_path / "run-hf-tok"
     shutil.copytree(adamw_ref, run)
-    config = run / "config.yaml"
-    config.write_text(config.read_text().replace("tokenizer: byte", f"tokenizer: {tmp_path / 'tok'}"))
+    saved = run / "checkpoints" / f"step-{STEPS}" / "config.yaml"  # what export reads
+    reseal(
+        saved.parent,
+        saved.name,
+        saved.read_text().replace("tokenizer: byte", f"tokenizer: {tmp_path / 'tok'}"),
+    )
     result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf-tok")])
     assert result.exit_code == 0, result.output
     exported = json.loads((tmp_path / "hf-tok" / "config.json").read_text())
@@ -372,12 +384,85 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
             ((str(partial), str(tmp_path / "x")), "incomplete"),
             ((str(tmp_path / "nowhere"), str(tmp_path / "y")), "not a muonrun checkpoint"),
             ((str(step), str(hf)), "not empty"),
+            ((str(step), str(hf / "config.json")), "is a file"),
         ):
             result = runner.invoke(app, ["export", *args])
             assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
             assert "Traceback" not in result.output
     finally:
         shutil.rmtree(partial)
+
+
+@pytest.mark.slow
+def test_a_refused_resume_changes_nothing_and_export_reads_the_checkpoints_own_config(
+    adamw_ref, tmp_path, reseal
+):
+    """A rerun with another architecture is refused (exit 2, naming the setting) and leaves the run's
+    config.yaml, metrics and checkpoints as they were; export rebuilds the model from the config the
+    checkpoint carries, so neither that rerun nor a hand edit of the run's config.yaml changes what it
+    writes; a checkpoint without its own config whose run config no longer fits is refused, naming the
+    first tensor that differs, and nothing is written."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    shutil.copytree(adamw_ref, run)
+    step = run / "checkpoints" / f"step-{STEPS}"
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    checkpoints = tree(run / "checkpoints")
+    refused = pretrain(run, "model.hf.hidden_size=64", nproc=1)
+    text = " ".join(refused.stderr.split())
+    assert refused.returncode == 2 and "does not fit this run's model" in text, refused.stderr[-3000:]
+    assert "model.hf.hidden_size: 128 -> 64" in text and "Traceback" not in refused.stderr
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert tree(run / "checkpoints") == checkpoints
+    # a hand edit of the run's config.yaml: export reads the checkpoint's own copy
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("hidden_size: 128", "hidden_size: 64"))
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.hidden_size == 128
+    # a checkpoint without its own config (an older muonrun's): the edited run config does not fit
+    reseal(step, "config.yaml", None)
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf2")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "does not fit the qwen2 model its config describes" in text, text
+    assert "'model.embed_tokens.weight' is (320, 128) in the checkpoint but (320, 64) in that model" in text
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # nothing written, no leftovers
+    config.write_text("model: [unclosed\n")
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf3")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"Config file '{config}' is not valid YAML" in text, text
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_seq_len_says_so_once_across_ranks(adamw_ref, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(adamw_ref, run)
+    text = ok(pretrain(run, "data.seq_len=32", "train.max_steps=9"))
+    assert text.count("data.seq_len is 32, the checkpoint was saved with 64") == 1, text[-3000:]
+    assert "UserWarning" not in text and "data changed" not in text
+    assert "  seq_len: 32\n" in (run / "config.yaml").read_text()  # the resumed run's config, now
+
+
+def test_an_output_dir_inside_a_checkpoint_or_a_runs_checkpoints_exits_2_and_creates_nothing(tmp_path):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-20"
+    _fake_checkpoint(step)
+    (run / "config.yaml").write_text("name: run\n")
+    for out, says in (
+        (step, f"is the checkpoint '{step}'"),
+        (step / "inner", f"is inside the checkpoint '{step}'"),
+        (run / "checkpoints", f"is the checkpoints folder of the run in '{run}'"),
+        (run / "checkpoints" / "new", f"is inside the checkpoints folder of the run in '{run}'"),
+    ):
+        before = tree(run)
+        result = runner.invoke(app, ["pretrain", "tiny", f"output_dir={out}", "train.max_steps=1"])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and says in text and "Traceback" not in result.output, result.output
+        assert tree(run) == before  # nothing created, nothing touched
 
 
 def _tiny_hf_model(folder: Path):

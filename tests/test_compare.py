@@ -251,6 +251,12 @@ def test_user_errors(tmp_path, two_runs):
         compare([two_runs[0], two_runs[1], f"{two_runs[0]}/"], tmp_path / "x.png")
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "does not exist" in result.output
+    timeless = {k: v for k, v in train_row(2, 3.0, 5.0).items() if k != "time"}
+    write_run(tmp_path / "edited", [train_row(1, 4.0, 4.0), timeless])
+    result = CliRunner().invoke(app, ["compare", str(tmp_path / "edited"), "-o", str(tmp_path / "e.png")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "metrics.jsonl' line 2 is a training row that has no 'time'" in text
 
 
 def test_missing_matplotlib_is_a_user_error(two_runs, tmp_path, monkeypatch):

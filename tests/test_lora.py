@@ -21,6 +21,7 @@ import torch
 from test_checkpoint import losses
 from typer.testing import CliRunner
 
+from muonrun.checkpoint import resolve_checkpoint
 from muonrun.cli import app
 from muonrun.config import load_config
 
@@ -165,7 +166,7 @@ def test_lora_under_fsdp2_matches_torch_muon_and_resumes_bitwise(trained):
 
 
 @pytest.mark.slow
-def test_exports_give_the_trained_models_logits(trained, tmp_path):
+def test_exports_give_the_trained_models_logits(trained, tmp_path, reseal):
     """The merged folder loads with from_pretrained, the adapter folder with peft, and both give the
     logits the sharded model computed in training."""
     from peft import PeftModel
@@ -187,11 +188,11 @@ def test_exports_give_the_trained_models_logits(trained, tmp_path):
     with torch.no_grad():
         for model in (merged, adapted):
             torch.testing.assert_close(model(saved["ids"]).logits, saved["logits"], rtol=0, atol=2e-5)
-    # the base named in config.yaml must still be the one the adapters were trained on
+    # the base named in the checkpoint's config.yaml must still be the one the adapters were trained on
     run = shutil.copytree(trained / "run", tmp_path / "moved" / "run")
     other = tiny_pretrained(tmp_path / "other", seed=2)
-    yaml = (run / "config.yaml").read_text().replace(str(trained / "base"), str(other))
-    (run / "config.yaml").write_text(yaml)
+    saved = resolve_checkpoint(run) / "config.yaml"
+    reseal(saved.parent, saved.name, saved.read_text().replace(str(trained / "base"), str(other)))
     code, text = invoke("export", str(run), str(tmp_path / "x"))
     assert code == 2 and "trained on" in text and "fingerprint" in text and "Traceback" not in text, text
 

@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 from muonrun import __version__, faults, log
 from muonrun.checkpoint.files import (
+    CONFIG,
     META,
     STEP_DIR,
     Verdict,
@@ -51,9 +52,18 @@ from muonrun.checkpoint.files import (
 )
 from muonrun.checkpoint.safe import load_rank_state, safe_load
 from muonrun.checkpoint.stop import StopFlag
-from muonrun.config import CheckpointConfig
+from muonrun.config import CheckpointConfig, differences
 from muonrun.distributed import Dist
 from muonrun.errors import UserError
+
+# The settings that decide which tensors a checkpoint holds, and their shapes.
+STATE_SHAPING = (
+    "model",
+    "optimizer.name",
+    "optimizer.muon.variant",
+    "optimizer.muon.muon_patterns",
+    "optimizer.muon.adamw_patterns",
+)
 
 # Threads writing each rank's share (DCP's FileSystemWriter: one file per thread). DCP's default of one
 # leaves a fast disk idle; four reach a local NVMe disk's fsynced write speed, more do not help
@@ -92,7 +102,9 @@ class Checkpointer:
     that `due` names it first makes sure the step may be saved (all ranks agreed it is finite).
     `identity` ({what: {"name_or_path": ..., "fingerprint": ...}}, e.g. a LoRA run's base model) is what
     the saved states only make sense on top of: written into every checkpoint, and a checkpoint whose
-    fingerprints differ is refused at load."""
+    fingerprints differ is refused at load. `config_yaml` (the run's resolved config) is saved into every
+    checkpoint as config.yaml, covered by the manifest: the copy export reads, and what a checkpoint
+    that does not fit this run is compared with to name the settings that changed."""
 
     def __init__(
         self,
@@ -102,8 +114,10 @@ class Checkpointer:
         states: dict,
         rank_states: dict,
         identity: dict[str, dict] | None = None,
+        config_yaml: str | None = None,
     ):
         self.cfg, self.root, self.dist = cfg, root, d
+        self.config_yaml = config_yaml
         self.identity = identity or {}
         self.states, self.rank_states = states, rank_states
         self.flag = StopFlag()
@@ -167,6 +181,8 @@ class Checkpointer:
         if self.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            if self.config_yaml is not None:
+                write_synced(tmp / CONFIG, self.config_yaml.encode())
         dist.barrier()
         own = {key: part.state_dict() for key, part in self.rank_states.items()}
         own["world_size"] = self.dist.world_size
@@ -411,8 +427,7 @@ class Checkpointer:
             "a new output_dir."
         )
 
-    @staticmethod
-    def _dcp_load(state: dict, path: Path) -> None:
+    def _dcp_load(self, state: dict, path: Path) -> None:
         try:
             safe_load(state, path)
         except UserError:
@@ -420,9 +435,26 @@ class Checkpointer:
         except Exception as e:  # a different model or optimizer than the one that wrote it
             raise UserError(
                 f"Checkpoint '{path}' does not fit this run's model/optimizer: {str(e).splitlines()[0][:300]} "
-                "Resume with the same model and optimizer.name, or start a new output_dir "
-                "(checkpoint.init_from loads weights only)."
+                f"{self._changed_settings(path)}Resume with the same model and optimizer.name, or start a new "
+                "output_dir (checkpoint.init_from loads weights only)."
             ) from None
+
+    def _changed_settings(self, path: Path) -> str:
+        """The model/optimizer settings in which this run differs from the config the checkpoint was saved
+        with (a sentence, or nothing when the checkpoint carries no config)."""
+        saved = path / CONFIG
+        if self.config_yaml is None or not saved.is_file():
+            return ""
+        try:
+            changed = differences(saved.read_text(), self.config_yaml, STATE_SHAPING)
+        except Exception:  # noqa: BLE001 (only ever on the way to an error: say less rather than fail)
+            return ""
+        shown = "; ".join(changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
+        return (
+            f"Since that checkpoint was saved these settings changed (saved -> now): {shown}. "
+            if changed
+            else ""
+        )
 
     # -- end
 

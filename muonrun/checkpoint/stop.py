@@ -37,6 +37,13 @@ class StopFlag:
                 "Ctrl-C: saving a checkpoint after this step, then stopping "
                 "(Ctrl-C again stops at once, without saving)."
             )
+        elif self.raised is None:
+            # A step can take minutes: say at once that the request was heard and what happens next
+            # (muonrun.log's handler lock is re-entrant, so interrupting a logging call is safe).
+            log.warning(
+                f"{signal.Signals(signum).name} received: the step in progress finishes, then a "
+                "checkpoint is saved and training stops."
+            )
         self.raised = signum
 
     def restore(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sysconfig
@@ -245,13 +246,43 @@ def _typed(cfg: DictConfig) -> Config:
 
 def from_yaml(text: str, source: str = "from the launcher") -> Config:
     """The typed config from `to_yaml` output: how the launcher hands the config to workers, and how a
-    run's saved config.yaml is read back (`muonrun export`)."""
-    saved = OmegaConf.create(text)
+    checkpoint's saved config.yaml is read back (`muonrun export`). `source` names it in errors."""
+    try:
+        saved = OmegaConf.create(text)
+    except Exception as e:  # yaml's parser errors
+        raise UserError(f"Config {source} is not valid YAML: {' '.join(str(e).split())[:300]}.") from None
+    if not isinstance(saved, DictConfig):
+        raise UserError(f"Config {source} must hold a mapping of keys, not a {type(saved).__name__}.")
     return _typed(_merge(OmegaConf.structured(Config), saved, source))
 
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _flat(node: Any, key: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        return {
+            k: v
+            for name, child in node.items()
+            for k, v in _flat(child, f"{key}.{name}" if key else name).items()
+        }
+    return {key: node}
+
+
+def differences(old_yaml: str, new_yaml: str, keys: tuple[str, ...]) -> list[str]:
+    """`key: OLD -> NEW` for every setting under `keys` (dotted keys or whole sections) whose value
+    differs between two saved configs (e.g. a checkpoint's config.yaml and this run's)."""
+    old, new = (
+        _flat(OmegaConf.to_container(OmegaConf.create(t), resolve=True)) for t in (old_yaml, new_yaml)
+    )
+    under = [k for k in dict.fromkeys([*old, *new]) if any(k == p or k.startswith(f"{p}.") for p in keys)]
+    missing = "(not set)"
+    return [
+        f"{k}: {old.get(k, missing)} -> {new.get(k, missing)}"
+        for k in under
+        if old.get(k, missing) != new.get(k, missing)
+    ]
 
 
 def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
@@ -267,10 +298,29 @@ def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
     return out
 
 
+def _non_finite(node: Any, key: str = "") -> tuple[str, float] | None:
+    """The first float in a resolved config tree that is nan or inf, with its dotted key."""
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return (key, node) if isinstance(node, float) and not math.isfinite(node) else None
+    for k, v in items:
+        found = _non_finite(v, f"{key}.{k}" if key else str(k))
+        if found:
+            return found
+    return None
+
+
 def validate(cfg: DictConfig) -> Config:
     """The typed config, after the checks no single section can make (the sections' own run as it is
-    typed). Raises UserError."""
+    typed). Raises UserError; a setting that will run, but not as its user likely means, is warned about."""
     c = _typed(cfg)
+    # nan and inf pass every range check (a comparison with nan is False), so they are refused here, once
+    found = _non_finite(OmegaConf.to_container(cfg, resolve=True))
+    if found:
+        raise UserError(f"Config key '{found[0]}' is {found[1]}; it must be a finite number.")
     if not c.data.sources:
         raise UserError("Config key 'data.sources' is empty; list at least one source with a `path`.")
     for group in ("sources", "eval_sources"):
@@ -295,5 +345,15 @@ def validate(cfg: DictConfig) -> Config:
         raise UserError(
             "Config key 'parallel.float8' is set with model.lora.enabled: float8 matmuls are not available "
             "for LoRA's frozen layers yet. Set parallel.float8=none."
+        )
+    warmup, steps = c.schedule.warmup_steps, c.train.max_steps
+    if warmup >= steps:
+        from muonrun import log  # installs the "muonrun" logger's handler: only when there is a warning
+
+        log.warning(
+            f"schedule.warmup_steps ({warmup}) is not shorter than train.max_steps ({steps}): the learning rate "
+            f"rises for the whole run, reaching {steps / warmup:.0%} of its peak at the last step, and the "
+            f"{c.schedule.name} schedule's decay never starts. Lower schedule.warmup_steps (a few percent of "
+            "train.max_steps is usual)."
         )
     return c

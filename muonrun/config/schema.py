@@ -3,8 +3,8 @@
 Those docstrings are the reference documentation (`muonrun config docs` prints them as a table). A
 field with a closed set of values is a `Literal` (OmegaConf refuses other values; `load.choices` lists them); range
 checks that need only their own section live in that section's `__post_init__`, which runs whenever
-OmegaConf turns a config into these objects (`load._typed`). Checks across sections are in
-`load.validate`.
+OmegaConf turns a config into these objects (`load._typed`). Checks across sections, and the one
+that every float anywhere is finite (`nan` and `inf` pass a range check), are in `load.validate`.
 """
 
 from __future__ import annotations
@@ -141,6 +141,12 @@ class DataConfig:
     (streaming: per pass over rank 0's share). JSON whose text changes type after the first 10 MB is
     misread by datasets and stops the run either way."""
 
+    strict_resume: bool = False
+    """What a resume does when the data changed since its checkpoint (a source file edited, added or
+    removed, another tokenizer or mixture weight; see docs/checkpoints.md, "Data identity"): False warns
+    once, naming the source and file, and trains on the data as it is now; True refuses to resume (exit 2).
+    A changed data.seq_len, micro-batch size or number of ranks is reported either way, never refused."""
+
     def __post_init__(self) -> None:
         _at_least(1, **{"data.seq_len": self.seq_len, "data.num_proc": self.num_proc})
 
@@ -156,7 +162,7 @@ class MuonConfig:
     nesterov: bool = True
     """Orthogonalize the Nesterov look-ahead instead of the momentum buffer."""
     ns_steps: int = 5
-    """Newton–Schulz iterations."""
+    """Newton–Schulz iterations (at least 1)."""
     ns_coefficients: Literal["default", "polar_express"] = "default"
     """`default` (3.4445, -4.7750, 2.0315) every iteration, or `polar_express` (per-iteration coefficients)."""
     gram_ns: bool = False
@@ -187,7 +193,12 @@ class MuonConfig:
     """Parameter-name globs forced into AdamW."""
 
     def __post_init__(self) -> None:
-        _not_negative(**{"optimizer.muon.lr": self.lr, "optimizer.muon.ns_steps": self.ns_steps})
+        _not_negative(**{"optimizer.muon.lr": self.lr})
+        if self.ns_steps < 1:  # zero iterations would train with unorthogonalized momentum as "Muon"
+            raise UserError(
+                f"Config key 'optimizer.muon.ns_steps' is {self.ns_steps}; Muon needs at least 1 Newton–Schulz "
+                "iteration (5 is usual)."
+            )
         if not 0.0 <= self.beta2 < 1.0:
             raise UserError(f"Config key 'optimizer.muon.beta2' is {self.beta2}; it must be in [0, 1).")
 

@@ -114,12 +114,14 @@ def check_output_dir(out: Path) -> None:
 
 def launch(cfg: Config) -> int:
     """Run the job described by a validated config; returns the process exit code."""
+    from muonrun.checkpoint import check_run_folder
     from muonrun.data import check_data
-    from muonrun.distributed import pick_device_type
+    from muonrun.distributed import check_device, pick_device_type
     from muonrun.features import enabled
     from muonrun.model.build import check_model
     from muonrun.train.trainer import run_worker
 
+    check_device(cfg)
     plan = make_plan(cfg)
     features = enabled(cfg)
     device_type = pick_device_type(cfg)
@@ -129,9 +131,10 @@ def launch(cfg: Config) -> int:
     check_model(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features)
     config_yaml = to_yaml(cfg)
     out = Path(cfg.output_dir)
+    check_run_folder(out)  # before anything is created there
     check_output_dir(out)
-    if plan.node_rank == 0:
-        (out / "config.yaml").write_text(config_yaml)
+    # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
+    # refused at resume leaves the folder's config as it was.
     os.environ["MUONRUN_LAUNCHER_PID"] = str(os.getpid())  # where MUONRUN_FAULT=term@STEP sends SIGTERM
     if plan.in_process:
         from muonrun.distributed import release_process_groups

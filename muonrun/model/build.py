@@ -106,6 +106,19 @@ def check_hf_keys(extra: dict, config_class: type, m: ModelConfig) -> None:
         )
 
 
+def check_positions(hf, seq_len: int) -> None:
+    """A training window must fit the positions the model is built for: past max_position_embeddings
+    rotary angles leave the range the model (and its rope scaling) is defined on, and attention's cost
+    grows with the square of a length nobody meant."""
+    limit = getattr(hf, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise UserError(
+            f"Config key 'data.seq_len' is {seq_len}, longer than the model's max_position_embeddings of {limit} "
+            "(model.hf / model.name_or_path): lower data.seq_len to at most that, or raise "
+            "model.hf.max_position_embeddings for a model trained from scratch."
+        )
+
+
 def check_model(
     m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8, features: list[Feature] = ()
 ) -> nn.Module:
@@ -114,6 +127,7 @@ def check_model(
     heads, say) fails here, before any worker starts, naming the settings. Returns the meta model
     (its HF config is `.config`)."""
     hf = build_hf_config(m, vocab_size)
+    check_positions(hf, seq_len)
     model = build_model(m, hf, features)
     with torch.device("meta"):
         ids = torch.zeros(1, max(2, min(seq_len, 8)), dtype=torch.long)

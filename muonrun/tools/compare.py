@@ -87,6 +87,30 @@ def _read_config(path: Path) -> dict:
         return {}
 
 
+_NEEDS = {"start": ("step", "time"), "training": ("step", "loss", "time"), "eval": ("step", "eval_loss")}
+_KINDS = (
+    ("start", lambda row: row.get("event") == "start"),
+    ("training", lambda row: "loss" in row),
+    ("eval", lambda row: "eval_loss" in row),
+)
+
+
+def _check_row(row: dict, metrics: Path, number: int) -> None:
+    """A row of a kind compare reads must carry its numbers (muonrun writes them all); anything else
+    in it is left alone."""
+    kind = next((k for k, test in _KINDS if test(row)), None)
+    for key in _NEEDS.get(kind, ()):
+        value = row.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            what = "has no" if key not in row else f"has a non-numeric ({value!r})"
+            keys = ", ".join(list(row)[:6]) + (", ..." if len(row) > 6 else "")
+            raise UserError(
+                f"'{metrics}' line {number} is a {kind} row that {what} '{key}' (its keys: {keys}); "
+                "muonrun writes every row with it, so the line was edited or written by something else. Fix or "
+                "delete that line."
+            )
+
+
 def load_run(path: str | Path) -> Run:
     """A run folder's rows. After a resume (a later `start` row at step S) the rows past S that the
     resume replays are dropped, and wall time continues from where the earlier segment stopped."""
@@ -99,12 +123,13 @@ def load_run(path: str | Path) -> Run:
             f"Run folder '{path}' has no metrics.jsonl (or it is empty); is it a muonrun output_dir?"
         )
     rows, bad = [], 0
-    for line in metrics.read_text().splitlines():
+    for number, line in enumerate(metrics.read_text().splitlines(), 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None  # e.g. the last line of a run that was killed mid-write
         if isinstance(row, dict):
+            _check_row(row, metrics, number)
             rows.append(row)
         else:
             bad += 1

@@ -8,26 +8,72 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from muonrun.checkpoint import load_model_tensors, read_meta, resolve_checkpoint, verify
+from muonrun.checkpoint import CONFIG, load_model_tensors, read_meta, resolve_checkpoint, verify
 from muonrun.config import Config
 from muonrun.errors import UserError
 from muonrun.features import ExportJob, enabled
 
 
 def read_run_config(checkpoint: Path) -> Config:
-    """The config of the run that wrote a checkpoint: OUTPUT_DIR/config.yaml, two levels up."""
+    """The config a checkpoint was saved with: its own config.yaml (covered by its manifest, so a hand-edited
+    or overwritten run config cannot change it); for a checkpoint written before checkpoints carried one,
+    its run folder's config.yaml, two levels up (the export then checks the model fits its tensors)."""
     from muonrun.config import from_yaml
 
-    path = checkpoint.resolve().parent.parent / "config.yaml"
+    path = checkpoint / CONFIG
+    if not path.is_file():
+        path = checkpoint.resolve().parent.parent / CONFIG
     if not path.is_file():
         raise UserError(
-            f"'{path}' is missing: the run folder of checkpoint '{checkpoint}' must hold its config.yaml."
+            f"Checkpoint '{checkpoint}' holds no {CONFIG} and its run folder has none either ('{path}' is "
+            "missing): the model cannot be rebuilt without the config the checkpoint was trained with."
         )
-    return from_yaml(path.read_text(), f"'{path}'")
+    return from_yaml(path.read_text(), source=f"file '{path}'")
+
+
+def check_export_folder(out: Path) -> None:
+    """The export goes into a new folder (or an empty one)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"Export folder '{out}' is a file; give the path of a new folder.")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"Export folder '{out}' is not empty; choose a new folder.")
+
+
+def check_tensors_fit(hf_config, tensors: dict[str, torch.Tensor], checkpoint: Path, cfg: Config) -> None:
+    """The tensors to export must be, name for name and shape for shape, the weights of the model the
+    checkpoint's config describes (built on the meta device): otherwise the folder written would not
+    load. A config that is not the one the checkpoint was trained with (a run folder's, edited or
+    rewritten) is caught here."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    problem = None
+    for name, tensor in tensors.items():
+        if name not in shapes:
+            problem = (
+                f"the checkpoint holds '{name}' {tuple(tensor.shape)}, which that model has no weight for"
+            )
+        elif tuple(tensor.shape) != shapes[name]:
+            problem = f"'{name}' is {tuple(tensor.shape)} in the checkpoint but {shapes[name]} in that model"
+        if problem:
+            break
+    missing = [name for name, _ in model.named_parameters() if name not in tensors]  # a tied head: once
+    if problem is None and missing:
+        problem = f"the checkpoint has no '{missing[0]}', which that model needs"
+    if problem:
+        raise UserError(
+            f"Checkpoint '{checkpoint}' does not fit the {hf_config.model_type} model its config describes: "
+            f"{problem}. The config is not the one the checkpoint was trained with (a run folder's "
+            f"{CONFIG}, edited or rewritten by a later run); export a checkpoint that carries its own {CONFIG}, "
+            "or restore the run's config. Nothing was written."
+        )
 
 
 BYTE_TOKENIZER_NOTE = (
@@ -67,19 +113,33 @@ def export_hf(
     `peft.PeftModel.from_pretrained(base, out)`, written by the LoRA feature. Runs on one process;
     needs CPU memory for one full copy of the model in `dtype` (LoRA: in float32 as well). `shown_as`:
     the path the folder's README names, where it is written elsewhere first."""
+    checkpoint = resolve_checkpoint(checkpoint)
+    verdict = verify(checkpoint)
+    if not verdict.ok:
+        raise verdict.error()
+    out = Path(out)
+    check_export_folder(out)
+    # Written beside `out` and renamed into place once complete: a failed export leaves nothing behind.
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _export(checkpoint, staging, dtype, adapter_only, shown_as or out)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _export(checkpoint: Path, out: Path, dtype: str, adapter_only: bool, shown_as: Path) -> None:
+    """`export_hf`'s work, into `out` (its staging folder); `shown_as`: the path the README names."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     from muonrun.data import build_tokenizer
     from muonrun.model.build import build_hf_config
 
-    checkpoint = resolve_checkpoint(checkpoint)
-    verdict = verify(checkpoint)
-    if not verdict.ok:
-        raise verdict.error()
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"Export folder '{out}' is not empty; choose a new folder.")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"Export dtype '{dtype}' is not one of float32, bfloat16, float16.")
     cfg = read_run_config(checkpoint)
@@ -94,7 +154,7 @@ def export_hf(
         out,
         dtype,
         tok,
-        shown_as or out,
+        shown_as,
         header=exported_from(checkpoint, dtype),
         tokenizer_note=BYTE_TOKENIZER_NOTE if byte else f"Tokenizer: `{cfg.data.tokenizer}`.",
         options={"adapter_only": adapter_only} if adapter_only else {},
@@ -102,7 +162,7 @@ def export_hf(
     for feature in enabled(cfg):
         result = feature.export(job)
         if isinstance(result, Path):
-            return result
+            return
         if result is not None:
             job.tensors = result
     if job.options:
@@ -111,6 +171,7 @@ def export_hf(
             "features exports that way (--adapter-only is for LoRA runs: model.lora.enabled is false in its "
             "config.yaml); export it without the option."
         )
+    check_tensors_fit(hf_config, job.tensors, checkpoint, cfg)
     sd = hub_layout(job.tensors, cfg, hf_config)
     sd = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sd.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
@@ -142,17 +203,14 @@ def export_hf(
     (out / "README.md").write_text(
         f"# {cfg.name} (muonrun export)\n\n{job.header}{notes}\n\n{note}\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM\n"
-        f'model = AutoModelForCausalLM.from_pretrained("{shown_as or out}")\n```\n'
+        f'model = AutoModelForCausalLM.from_pretrained("{shown_as}")\n```\n'
     )
-    return out
 
 
 def export_replacing(checkpoint: Path, out: Path) -> Path:
     """`export_hf` for checkpoint.export_at_end, into the run's own folder, which a rerun (or a resumed
     run that trains further) exports to again: the new export is written beside it and swapped in once
     complete, so `out` never holds half of one."""
-    import shutil
-
     fresh, old = out.with_name(out.name + ".new"), out.with_name(out.name + ".old")
     for leftover in (fresh, old):
         shutil.rmtree(leftover, ignore_errors=True)

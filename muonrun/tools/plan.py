@@ -5,6 +5,7 @@ Needs no GPU and no data: `muonrun pretrain qwen2-muon-fsdp2 --dry-run --world-s
 
 from __future__ import annotations
 
+from muonrun import log
 from muonrun.config import Config
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
@@ -83,6 +84,36 @@ def expert_ns_flops(stacked: list, steps: int, dp_shard: int, gram: bool = False
         for r in range(dp_shard):
             per_rank[r] += local_rows(shape[0], dp_shard, r) * k * cost
     return per_rank
+
+
+def device_memory(c, workers_per_node: int) -> tuple[float, str] | None:
+    """(GiB one worker has, what that is) on this machine: the first GPU's memory for a GPU plan, an even
+    share of the machine's memory for a CPU plan; None for a GPU plan on a machine without GPUs."""
+    import os
+
+    import torch
+
+    if c.train.device != "cpu":
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, f"{props.name}'s {props.total_memory / GIB:.0f} GiB"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return total / workers_per_node, f"{total:.0f} GiB of this machine's memory / {workers_per_node} workers"
+
+
+def memory_warning(s: dict, c) -> str | None:
+    """A warning when the planned memory per rank (states + rough activations) exceeds what a worker has."""
+    have = device_memory(c, s["world_size"] // s["nnodes"])
+    states, acts = sum(s["memory_gib_per_rank"].values()), s["activation_gib_per_rank"]
+    if have is None or states + acts <= have[0]:
+        return None
+    return (
+        f"this plan needs about {states + acts:.1f} GiB per rank ({states:.1f} GiB of weights, gradients and "
+        f"optimizer state, ~{acts:.1f} GiB of activations), more than a worker has ({have[1]}): it will run out "
+        "of memory. Shard over more ranks, set parallel.activation_checkpointing=full, or lower "
+        "train.micro_batch_size or data.seq_len."
+    )
 
 
 def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = False) -> dict[str, list[int]]:
@@ -234,3 +265,6 @@ def print_plan(cfg: Config, world_size: int | None) -> None:
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+    warning = memory_warning(s, cfg)
+    if warning:
+        log.warning(warning)

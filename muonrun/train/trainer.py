@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from muonrun import faults
-from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
-from muonrun.config import Config
+from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState, write_run_config
+from muonrun.config import Config, to_yaml
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
 from muonrun.features import enabled, flops_per_token
@@ -139,6 +139,7 @@ class Trainer:
             },
             rank_states={"loader": self.loader, "rng": RNGState(self.dist.device)},
             identity={k: v for f in self.features for k, v in f.identity(self.dist).items()},
+            config_yaml=to_yaml(cfg),
         )
         try:
             if frozen:
@@ -148,6 +149,8 @@ class Trainer:
         except BaseException:
             self.checkpointer.close()  # gives the signal handlers back: no Trainer exists to close it
             raise
+        if self.dist.is_main:  # only now: a run refused while loading leaves the folder's config as it was
+            write_run_config(Path(cfg.output_dir), to_yaml(cfg))
         fpt = model_flops_per_token(self.hf_config, cfg.data.seq_len)
         self.metrics = Metrics(
             cfg,
