@@ -12,12 +12,11 @@ import math
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import NORMUON, STEPS, assert_same_losses, losses, ok, pretrain, steps_of, tree
 from typer.testing import CliRunner
 
 from muonrun import faults
@@ -35,66 +34,6 @@ from muonrun.cli import app
 from muonrun.errors import UserError
 
 runner = CliRunner()
-
-STEPS = 8  # 2N: every exact-resume comparison covers steps N+1..2N of an 8-step run
-SMALL = [
-    "data.seq_len=64",
-    "train.micro_batch_size=4",
-    "train.eval_interval=0",
-    "logging.log_interval=1",
-    "logging.console=plain",
-    f"train.max_steps={STEPS}",
-]
-# NorMuon: Muon's optimizer state plus a per-row second moment, so one reference run covers both
-NORMUON = ("optimizer.name=muon", "optimizer.muon.variant=normuon")
-
-
-def muonrun(*args: str, fault: str | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop(faults.ENV, None)
-    if fault:
-        env[faults.ENV] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "muonrun", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def pretrain(out: Path, *overrides: str, nproc: int = 2, fault: str | None = None, extra=()):
-    return muonrun(
-        "pretrain",
-        "tiny",
-        f"output_dir={out}",
-        *SMALL,
-        *overrides,
-        "--nproc-per-node",
-        str(nproc),
-        *extra,
-        fault=fault,
-    )
-
-
-def losses(run: Path) -> dict[int, list[float]]:
-    """Every logged loss by step (a resumed run appends to metrics.jsonl, so a step can repeat)."""
-    out: dict[int, list[float]] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            out.setdefault(row["step"], []).append(row["loss"])
-    return out
-
-
-def steps_of(run: Path) -> list[int]:
-    return [int(p.name.split("-")[1]) for p in complete_checkpoints(run / "checkpoints")]
-
-
-def tree(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
-
-
-def ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout + result.stderr
-
 
 # -- unit tests (no process group) ----------------------------------------------------------------------
 
@@ -194,14 +133,6 @@ def normuon_ref(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("normuon") / "run"
     ok(pretrain(out, *NORMUON, "checkpoint.interval=0"))
     return out
-
-
-def assert_same_losses(run: Path, ref: Path, first: int) -> None:
-    """Bitwise: every logged loss of `run` from step `first` on equals the uninterrupted run's."""
-    expect, got = losses(ref), losses(run)
-    assert sorted(s for s in got if s >= first) == list(range(first, STEPS + 1)), got
-    for step in range(first, STEPS + 1):
-        assert got[step] == [expect[step][0]] * len(got[step]), (step, got[step], expect[step])
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import STEPS, assert_same_losses, ok, pretrain, steps_of
+from helpers import STEPS, assert_same_losses, ok, pretrain, steps_of
 from typer.testing import CliRunner
 
 from muonrun.checkpoint import META, read_meta, verify

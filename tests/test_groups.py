@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_qwen2
 from torch import nn
 
 from muonrun.optim.groups import ParamSplit, clean_param_name, split_params
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_qwen2(tied: bool) -> nn.Module:
-    cfg = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
 HIDDEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import losses
+from helpers import losses, run_workers
 from typer.testing import CliRunner
 
 from muonrun.checkpoint import resolve_checkpoint
@@ -61,7 +61,6 @@ def folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(folder) -> Path:
     """The 3-rank worker's run: FOLDER/run (checkpoints step-3, step-5), FOLDER/logits.pt, its log."""
-    from tests.dist.launch import run_workers
 
     out = run_workers(WORKER, 3, str(folder), timeout=400)
     assert "LORA_WORKER_OK" in out, out

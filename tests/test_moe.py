@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_workers
 from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
 
 from muonrun.config import ModelConfig
@@ -117,7 +118,6 @@ def test_muon_on_experts_matches_torch_muon_per_expert_matrix():
     """One 3-rank gloo launch: 2, 3, 4 and 5 experts (a rank with none, even, uneven), Muon against
     torch.optim.Muon per expert matrix (gate and up apart), fp32 and NorMuon against our Muon on the
     separate matrices, no all-to-all, NorMuon's v sharded like the experts."""
-    from tests.dist.launch import run_workers
 
     out = run_workers(Path(__file__).parent / "dist" / "moe_worker.py", 3, timeout=600)
     assert "MOE_WORKER_OK" in out, out

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_workers, tiny_qwen2
 
 from muonrun.optim import (
     DEFAULT_NS_COEFFICIENTS,
@@ -598,7 +599,6 @@ def test_telemetry_keys_and_values_on_one_device():
 def test_normuon_settings_reach_the_optimizer_from_the_config():
     from muonrun.config import load_config
     from muonrun.optim.build import build_optimizers
-    from tests.test_groups import tiny_qwen2
 
     overrides = [
         "optimizer.muon.variant=normuon",
@@ -686,7 +686,6 @@ def test_distributed_matches_reference(tmp_path):
     and empty shards, exactly-once orthogonalisation, a real FSDP2 backward, DCP save/load/resume,
     muonrun.train.clip against torch's clip_grad_norm_ and muonrun's AdamW (local shards) against torch's AdamW;
     at the end, release_process_groups leaves no gloo thread for interpreter teardown."""
-    from tests.dist.launch import run_workers
 
     out = run_workers(WORKER, 4, str(tmp_path), timeout=600)
     assert "MUON_WORKER_OK" in out, out

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_workers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -328,7 +329,6 @@ def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):
 def test_fsdp2_on_two_ranks_with_adamw_and_muon(tmp_path):
     """One launch (tests/dist/qkclip_worker.py): heads straddling the shards, the measured max against
     materialized logits, the clip on the gathered weights, and real runs' telemetry rows."""
-    from tests.dist.launch import run_workers
 
     out = run_workers(Path(__file__).parent / "dist" / "qkclip_worker.py", 2, str(tmp_path), timeout=300)
     assert "QKCLIP_WORKER_OK" in out
