@@ -81,16 +81,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonrun.distributed import local_tensor
+from muonrun.optim.fused import Passes, can_compile
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    PRECONDITIONS,
     Coefficients,
     NSCoefficients,
+    Scaling,
     adjust_lr,
     newton_schulz_flops,
-    normuon_normalize,
+    normuon_row_scale,
     ns_iterations,
     orthogonality_residual,
     resolve_ns_coefficients,
@@ -124,14 +127,26 @@ class NSSettings:
     norm_scale: float
     eps: float
     normuon: tuple[float, float] | None  # NorMuon's (beta2, eps); None: plain Muon
+    precondition: str = "frobenius"  # newton_schulz.PRECONDITIONS
 
     @classmethod
     def of(cls, group: dict) -> NSSettings:
         per_step, norm_scale = resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
         normuon = (float(group["beta2"]), float(group["normuon_eps"]))
         return cls(
-            per_step, norm_scale, float(group["eps"]), normuon if group["variant"] == "normuon" else None
+            per_step,
+            norm_scale,
+            float(group["eps"]),
+            normuon if group["variant"] == "normuon" else None,
+            group["precondition"],
         )
+
+    def scaling(self, folded: bool) -> Scaling | None:
+        """How the owner scales its matrices: None, a pass dividing by the Frobenius norm
+        (torch's); else a ``Scaling`` folded into the first Gram product (AOL always is)."""
+        if self.precondition == "frobenius" and not folded:
+            return None
+        return Scaling(self.precondition, self.norm_scale, self.eps)
 
 
 @dataclass(frozen=True)
@@ -178,7 +193,15 @@ class Muon(torch.optim.Optimizer):
       docstring) with ``beta2``, the EMA coefficient of each row's second moment, and
       ``normuon_eps``, added to its root;
     - ``ns_dtype``: ``torch.bfloat16`` (torch's) or ``torch.float32``, for Newton–Schulz and the
-      exchange (``newton_schulz.ns_dtype_for`` says which is faster where; docs/performance.md).
+      exchange (``newton_schulz.ns_dtype_for`` says which is faster where; docs/performance.md);
+    - ``precondition`` (per param group): ``"frobenius"`` (torch's) or ``"aol"``, Turbo-Muon's row
+      scaling taken from the first Gram product (``newton_schulz.Scaling``), meant for the shorter
+      ``ns_coefficients="turbo"`` table;
+    - ``fused`` (default False): fewer passes over memory, the same arithmetic up to rounding: the
+      momentum, Nesterov look-ahead and cast into the exchange buffer as one compiled pass and the
+      decay and update as another (``muonrun.optim.fused``; compiled on GPUs, eager foreach ops
+      elsewhere), and the Frobenius normalisation folded into the first Newton–Schulz product
+      instead of a pass of its own.
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -220,6 +243,8 @@ class Muon(torch.optim.Optimizer):
         beta2: float = 0.95,
         normuon_eps: float = 1e-8,
         ns_dtype: torch.dtype = torch.bfloat16,
+        precondition: str = "frobenius",
+        fused: bool = False,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -245,11 +270,14 @@ class Muon(torch.optim.Optimizer):
             "variant": variant,
             "beta2": beta2,
             "normuon_eps": normuon_eps,
+            "precondition": precondition,
         }
         super().__init__(params, defaults)
         self.bucket_numel = int(bucket_numel)
         self.gram = bool(gram)
         self.ns_dtype = ns_dtype
+        self.fused = bool(fused)
+        self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
         self._sums: Sums | None = None  # this step's telemetry terms, while collecting
@@ -270,6 +298,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
         if not 0.0 <= group["beta2"] < 1.0:
             raise ValueError(f"beta2 should be in [0, 1) but is: {group['beta2']}")
+        if group["precondition"] not in PRECONDITIONS:
+            raise ValueError(f"precondition must be one of {PRECONDITIONS}, got {group['precondition']!r}")
         resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
         for i, p in enumerate(group["params"]):
             name = self._param_name(gi, i, p)
@@ -285,7 +315,7 @@ class Muon(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:  # param groups saved before these settings existed
-            for key in ("variant", "beta2", "normuon_eps"):
+            for key in ("variant", "beta2", "normuon_eps", "precondition"):
                 group.setdefault(key, self.defaults[key])
 
     def add_param_group(self, param_group: dict) -> None:
@@ -320,6 +350,8 @@ class Muon(torch.optim.Optimizer):
             ]
             self._plan = build_plan(entries, self.bucket_numel)
             self._plan_key = key
+            compiled = self.fused and bool(self._plan) and can_compile(self._plan[0].device)
+            self._passes = Passes(compiled)
         return self._plan
 
     @torch.no_grad()
@@ -373,9 +405,7 @@ class Muon(torch.optim.Optimizer):
                 dsts.append(
                     send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
                 )
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-            upd = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
-            torch._foreach_copy_(dsts, upd)
+            self._passes.momentum((id(bucket), gi), bufs, grads, dsts, momentum, nesterov)
             if self._sums is not None:
                 self._sums.add(part.shard.group, "momentum", sum_of_squares(bufs))
         if part.ns.normuon:  # type: ignore[attr-defined]
@@ -385,10 +415,18 @@ class Muon(torch.optim.Optimizer):
             send[lo:hi].zero_()
         return send
 
-    def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients]) -> Tensor:
-        """Newton–Schulz on a normalised stack of owned matrices: torch.optim.Muon's sequence, or the
-        Gram form where ``gram`` takes it. Tests override it to step with another evaluation."""
-        return ns_iterations(X, per_step, gram=self.gram)
+    def _newton_schulz(
+        self,
+        X: Tensor,
+        per_step: Sequence[Coefficients],
+        *,
+        scaling: Scaling | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """Newton–Schulz on a stack of owned matrices (normalised, or scaled by ``scaling``):
+        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it; the last product
+        written into ``out`` when given. Tests override it to step with another evaluation."""
+        return ns_iterations(X, per_step, gram=self.gram, scaling=scaling, out=out)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz
@@ -398,31 +436,40 @@ class Muon(torch.optim.Optimizer):
         ns: NSSettings = part.ns  # type: ignore[assignment]
         grid = recv.view(W, bucket.per_source)
         sample = part.buckets[0].items[0] if self._sums is not None and part is self._plan[0] else None
+        scaling = ns.scaling(folded=self.fused)
         for own in bucket.owned:
             k, R, C, c = own.count, own.rows, own.cols, own.chunk
             run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
             slabs = run[..., : c * C].view(W, k, c, C)
-            # padding rows are zero, so the norm over whole slabs is the matrix's Frobenius norm
-            norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
-            if ns.norm_scale != 1.0:
-                norm = norm * ns.norm_scale
-            norm = norm.clamp_(min=ns.eps)
-            if W == 1:
-                X = slabs[0].div_(norm.view(k, 1, 1))  # in place: the buffer is ours
+            if scaling is not None:  # scaled inside the first Gram product: no pass of its own
+                norm = None
+            else:  # padding rows are zero, so the norm over whole slabs is the matrix's Frobenius norm
+                norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
+                if ns.norm_scale != 1.0:
+                    norm = norm * ns.norm_scale
+                norm = norm.clamp_(min=ns.eps).view(k, 1, 1)
+            if W == 1:  # the buffer is ours: normalised in place, the result written back into it
+                X = slabs[0] if norm is None else slabs[0].div_(norm)
+                out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=slabs[0])
             else:
                 full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
-                torch.div(slabs.transpose(0, 1), norm.view(k, 1, 1, 1), out=full.view(k, W, c, C))
+                if norm is None:
+                    full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
+                else:
+                    torch.div(slabs.transpose(0, 1), norm.unsqueeze(-1), out=full.view(k, W, c, C))
                 X = full[:, :R]
-            out = self._newton_schulz(X, ns.per_step)
+                out = self._newton_schulz(X, ns.per_step, scaling=scaling)
             if own.first is sample:  # reported by its owner, summed with the others' zeros
                 self._sums.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
             if ns.normuon:
                 states = run[..., own.state_at : own.state_at + c * own.first.row_state]
                 states = states.view(torch.float32)  # [W, k, c]: v of every row, fp32 bit for bit
                 v = states.transpose(0, 1).reshape(k, W * c)[:, :R]
-                out, v = normuon_normalize(out, v, *ns.normuon)
+                factor, v = normuon_row_scale(out, v, *ns.normuon)
+                out.mul_(factor.unsqueeze(-1))  # each row scaled in place, rounded once
                 scatter_rows(states, v, c)
-            scatter_rows(slabs, out, c)
+            if W > 1:
+                scatter_rows(slabs, out, c)
             self.stats["orthogonalized"] += k
             self.stats["gram"] += k * (self.gram and uses_gram_form(X.shape, len(ns.per_step)))
 
@@ -443,15 +490,19 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
                 deltas += d
             self._sums.add(part.shard.group, "update", sum_of_squares(deltas))
-        for gi, items in bucket.by_group:
-            factor = 1 - settings[gi].lr * settings[gi].weight_decay
-            if factor != 1.0:
-                torch._foreach_mul_([local_tensor(it.param) for it in items], factor)
+        ps, us, values, slots = [], [], [], []
+        factor_slot = {}
         for gi, rows, cols, items in bucket.by_update:
             s = settings[gi]
-            ps = [local_tensor(it.param) for it in items]
-            us = [views[id(it)] for it in items]
-            torch._foreach_add_(ps, us, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+            if gi not in factor_slot:
+                factor_slot[gi] = len(values)
+                values.append(1 - s.lr * s.weight_decay)
+            values.append(-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+            for it in items:
+                ps.append(local_tensor(it.param))
+                us.append(views[id(it)])
+                slots.append((factor_slot[gi], len(values) - 1))
+        self._passes.decay_and_update((id(bucket),), ps, us, values, slots)
         if part.ns.normuon:  # type: ignore[attr-defined]
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
             torch._foreach_copy_(vs, [it.state_view(result) for it in bucket.items])

@@ -60,8 +60,8 @@ class FoldedMuon(Muon):
     torch's sequence); the tests check that it stays as close to the reference through the whole
     optimizer, sharded or not, and tests/dist/muon_bench.py times it."""
 
-    def _newton_schulz(self, X, per_step):
-        return ns_iterations(X, per_step, gram=self.gram, fold_identity=True)
+    def _newton_schulz(self, X, per_step, *, scaling=None, out=None):
+        return ns_iterations(X, per_step, gram=self.gram, fold_identity=True, scaling=scaling, out=out)
 
 
 def reference_ns(fast: bool, gram: bool, dtype: torch.dtype):
