@@ -163,8 +163,11 @@ class MuonConfig:
     """Orthogonalize the Nesterov look-ahead instead of the momentum buffer."""
     ns_steps: int = 5
     """Newton–Schulz iterations."""
-    ns_coefficients: str = one_of("default", "polar_express")
-    """`default` (3.4445, -4.7750, 2.0315) every iteration, or `polar_express` (per-iteration coefficients)."""
+    ns_coefficients: str = one_of("default", "polar_express", "turbo")
+    """`default` (3.4445, -4.7750, 2.0315) every iteration; `polar_express` (per-iteration
+    coefficients, arXiv:2505.16932: about half the default's distance to the polar factor at 5
+    iterations); or `turbo`, Turbo-Muon's 4-iteration table for `ns_precondition=aol` with
+    `ns_steps=4` (arXiv:2512.04632). A table shorter than `ns_steps` repeats its last row."""
     gram_ns: bool = False
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
     restart: the same iteration in exact arithmetic, about 40% fewer FLOPs on MLP-shaped matrices, as
@@ -183,6 +186,22 @@ class MuonConfig:
     that is the paper's step 0.2 * lr * sqrt(A*B) / ||Ô||_F. Keeps one more fp32 number per matrix row."""
     beta2: float = 0.95
     """NorMuon's EMA coefficient for each row's second moment, in [0, 1) (unused by `muon`)."""
+    ns_precondition: str = one_of("frobenius", "aol")
+    """How Newton–Schulz scales its input: `frobenius` divides it by its Frobenius norm
+    (torch.optim.Muon's); `aol` scales row i by (sum_j |(X X^T)_ij|)^(-1/2) (Turbo-Muon's AOL
+    preconditioning, arXiv:2512.04632), read off the first iteration's own product, so it costs
+    nothing and needs no pass of its own. Its singular values start 1.2-3x closer to 1, which is
+    what lets a 4-iteration table (`ns_coefficients=turbo`, `ns_steps=4`) stand in for 5: 20% fewer
+    Newton–Schulz FLOPs. It helps where Newton–Schulz is a large part of the step (one or few GPUs,
+    wide models); docs/performance.md has its distance to the polar factor per preset shape."""
+    fused: bool | None = None
+    """Fewer passes over memory in Muon's step, the same arithmetic up to bf16 rounding: momentum,
+    Nesterov look-ahead and the cast into the bf16 exchange buffer as one compiled kernel, weight
+    decay and the update as another (torch.compile; on GPUs, the CPU runs them as foreach ops), and
+    the Frobenius normalisation folded into the first Newton–Schulz product instead of a pass of its
+    own. Pays most on one GPU, where these passes are about half of Muon's extra time; the first step
+    compiles a few small kernels. None: on for GPUs, off on CPU (`true` there folds the normalisation
+    and runs the passes as eager foreach ops, and says so once)."""
     ns_dtype: str = one_of("auto", "bfloat16", "float32")
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are

@@ -80,20 +80,18 @@ class Passes:
     ``key`` names one bucket's call (the same key must always come with the same tensor shapes): its
     compiled function is built at the first call and reused after."""
 
-    def __init__(self, compiled: bool) -> None:
+    def __init__(self, compiled: bool, backend: str = "inductor") -> None:
         self.compiled = compiled
+        self.backend = backend
         self._fns: dict[tuple, Callable] = {}
-
-    def reset(self) -> None:
-        """Forget the compiled functions (the plan they were built for changed)."""
-        self._fns.clear()
 
     def _call(self, key: tuple, fn: Callable, *args) -> None:
         if not self.compiled:
             return fn(*args)
         compiled = self._fns.get(key)
         if compiled is None:
-            compiled = self._fns[key] = torch.compile(_fresh(fn), fullgraph=True, dynamic=False)
+            compiled = torch.compile(_fresh(fn), backend=self.backend, fullgraph=True, dynamic=False)
+            self._fns[key] = compiled
         from torch._dynamo.exc import TorchDynamoException
 
         try:

@@ -225,6 +225,11 @@ class Muon(torch.optim.Optimizer):
     collect_telemetry: bool = False
     """Fill ``self.telemetry`` during ``step()`` (see the class docstring); set by the trainer."""
 
+    compile_backend: str | None = None
+    """With ``fused``: None compiles the elementwise passes with inductor where it generates GPU code
+    (``fused.can_compile``) and runs them eagerly elsewhere; a backend name compiles them with it on
+    any device (tests trace them with ``"aot_eager"``)."""
+
     def __init__(
         self,
         params: Iterable,
@@ -350,8 +355,10 @@ class Muon(torch.optim.Optimizer):
             ]
             self._plan = build_plan(entries, self.bucket_numel)
             self._plan_key = key
-            compiled = self.fused and bool(self._plan) and can_compile(self._plan[0].device)
-            self._passes = Passes(compiled)
+            if self.fused and self.compile_backend is not None:
+                self._passes = Passes(True, self.compile_backend)
+            else:
+                self._passes = Passes(self.fused and bool(self._plan) and can_compile(self._plan[0].device))
         return self._plan
 
     @torch.no_grad()

@@ -77,9 +77,12 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
 )
 POLAR_EXPRESS_NORM_SCALE = 1.02
 
-# Turbo-Muon's 4-iteration table for AOL-preconditioned inputs (T. Boissin et al., arXiv:2512.04632,
-# as shipped in microsoft/dion's newton_schulz_triton_fast), found by a search for inputs scaled by
-# AOL; with ``precondition="aol"`` it replaces 5 iterations of the default quintic.
+# Turbo-Muon's 4-iteration table for AOL-scaled inputs (T. Boissin et al., arXiv:2512.04632, as
+# microsoft/dion ships it in newton_schulz_triton_fast), found by its authors' search for inputs
+# scaled by AOL; with ``precondition="aol"`` it stands in for 5 iterations of the default quintic.
+# It keeps singular values up to 1.1 bounded (AOL bounds them by 1, bf16 rounding may pass it).
+# A minimax refit for AOL-scaled gradient-like spectra under that bound (scripts/ns_levers_numerics.py
+# --fit) trades its gains on flat spectra for no better than 1.17x the default's distance on steep ones.
 TURBO_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
     (4.6051, -9.6552, 5.6769),
     (4.7505, -6.0861, 2.1790),
