@@ -38,6 +38,7 @@ from muonrun.optim.newton_schulz import (  # noqa: E402
     uses_gram_form,
 )
 
+DEVICE = "cuda"
 MODELS = {  # hidden, intermediate, layers, kv dim
     "0.5b": (896, 4864, 24, 128),
     "1.5b": (1536, 8960, 28, 256),
@@ -59,7 +60,7 @@ STEP_VARIANTS = [
     ("muon gram (before)", dict(gram=True)),
     ("muon gram fused", dict(gram=True, fused=True)),
     (
-        "muon gram fused aol x4",
+        "muon gram fused aol turbo x4",
         dict(gram=True, fused=True, precondition="aol", ns_coefficients="turbo", ns_steps=4),
     ),
     ("normuon gram (before)", dict(gram=True, variant="normuon")),
@@ -115,7 +116,7 @@ def cuda_ms(fn, iters: int, warmup: int = 3) -> float:
 
 def ns_table(models: list[str], iters: int) -> list[dict]:
     rows = []
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     for model in models:
         for (rows_, cols), count in model_shapes(model).items():
             G = gradient_like(rows_, cols, 0, dev)
@@ -148,12 +149,16 @@ def ns_table(models: list[str], iters: int) -> list[dict]:
 
 
 def step_table(models: list[str], iters: int) -> list[dict]:
+    """Each configuration from the same parameters and gradients for the same number of steps; the
+    fused ones (the same arithmetic as the one before them, up to rounding) are compared with it."""
     rows = []
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     for model in models:
         shapes = [s for s, count in model_shapes(model).items() for _ in range(count)]
-        params = [torch.randn(s, device=dev) * 0.02 for s in shapes]
-        grads = [torch.randn(s, device=dev) * 1e-3 for s in shapes]
+        gen = torch.Generator(device=dev).manual_seed(0)
+        params = [torch.randn(s, device=dev, generator=gen) * 0.02 for s in shapes]
+        grads = [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in shapes]
+        finals: dict[str, list[torch.Tensor]] = {}
         for label, kw in STEP_VARIANTS:
             ps = [p.clone() for p in params]
             for p, g in zip(ps, grads, strict=True):
@@ -164,10 +169,22 @@ def step_table(models: list[str], iters: int) -> list[dict]:
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             ms = cuda_ms(opt.step, iters, warmup=2)
-            finite = all(torch.isfinite(p).all().item() for p in ps[:8])
-            rows.append({"model": model, "variant": label, "ms": ms, "first_step_s": first, "finite": finite})
+            sample = [p.detach().clone() for p in ps[:7]]  # one layer
+            finals[label] = sample
+            row = {"model": model, "variant": label, "ms": ms, "first_step_s": first}
+            row["finite"] = all(torch.isfinite(p).all().item() for p in sample)
+            before = label.replace(" fused", " (before)")
+            if " fused" in label and "aol" not in label and before in finals:
+                ref = finals[before]
+                row["vs_before"] = max(
+                    ((p - q).abs().max() / (q - p0).abs().max()).item()
+                    for p, q, p0 in zip(sample, ref, params[:7], strict=True)
+                )
+            rows.append(row)
             print(
-                f"{model} step {label:<28} {ms:8.2f} ms (first step {first:.1f} s, finite {finite})",
+                f"{model} step {label:<32} {ms:8.2f} ms (first step {first:.1f} s, finite {row['finite']}"
+                + (f", vs before {row['vs_before']:.4f} of the movement" if "vs_before" in row else "")
+                + ")",
                 flush=True,
             )
             del ps, opt
@@ -179,6 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--models", default="0.5b,1.5b")
+    ap.add_argument("--step-models", default=None, help="models for the step timing (default: --models)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-ns", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
@@ -189,8 +207,10 @@ def main() -> None:
     result = {"env": env}
     if not args.skip_ns:
         result["newton_schulz"] = ns_table(models, args.iters)
+        if args.out:  # written as soon as it exists: a later part may be cut short
+            Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.skip_step:
-        result["step"] = step_table(models, args.iters)
+        result["step"] = step_table(args.step_models.split(",") if args.step_models else models, args.iters)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
