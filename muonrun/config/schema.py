@@ -189,19 +189,19 @@ class MuonConfig:
     ns_precondition: str = one_of("frobenius", "aol")
     """How Newton–Schulz scales its input: `frobenius` divides it by its Frobenius norm
     (torch.optim.Muon's); `aol` scales row i by (sum_j |(X X^T)_ij|)^(-1/2) (Turbo-Muon's AOL
-    preconditioning, arXiv:2512.04632), read off the first iteration's own product, so it costs
-    nothing and needs no pass of its own. Its singular values start 1.2-3x closer to 1, which is
-    what lets a 4-iteration table (`ns_coefficients=turbo`, `ns_steps=4`) stand in for 5: 20% fewer
-    Newton–Schulz FLOPs. It helps where Newton–Schulz is a large part of the step (one or few GPUs,
-    wide models); docs/performance.md has its distance to the polar factor per preset shape."""
+    preconditioning, arXiv:2512.04632), read off the first iteration's own product. Its small
+    singular values start 1.2-3x larger, which lets Turbo-Muon's 4-iteration table
+    (`ns_coefficients=turbo`, `ns_steps=4`) stand in for 5 iterations: 20% fewer FLOPs in the
+    standard form, 11% in the Gram form (whose restart costs the same either way). It trades
+    closeness to the polar factor by spectrum: 2-3x closer on flat spectra, up to 1.7x farther on
+    steep ones (docs/performance.md, per preset shape), so it is not the default; try it where
+    Newton–Schulz dominates the step (one GPU, square matrices)."""
     fused: bool | None = None
-    """Fewer passes over memory in Muon's step, the same arithmetic up to bf16 rounding: momentum,
+    """Fewer passes over memory in Muon's step, the same arithmetic up to fp32 rounding: momentum,
     Nesterov look-ahead and the cast into the bf16 exchange buffer as one compiled kernel, weight
-    decay and the update as another (torch.compile; on GPUs, the CPU runs them as foreach ops), and
-    the Frobenius normalisation folded into the first Newton–Schulz product instead of a pass of its
-    own. Pays most on one GPU, where these passes are about half of Muon's extra time; the first step
-    compiles a few small kernels. None: on for GPUs, off on CPU (`true` there folds the normalisation
-    and runs the passes as eager foreach ops, and says so once)."""
+    decay and the update as another (torch.compile). Pays most on one GPU, where Muon's own
+    elementwise work is not shared across ranks; the first step compiles a few small kernels. None:
+    on for GPUs, off on CPU (`true` there runs the same ops eagerly, and says so once)."""
     ns_dtype: str = one_of("auto", "bfloat16", "float32")
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are

@@ -141,10 +141,10 @@ class NSSettings:
             group["precondition"],
         )
 
-    def scaling(self, folded: bool) -> Scaling | None:
+    def scaling(self) -> Scaling | None:
         """How the owner scales its matrices: None, a pass dividing by the Frobenius norm
-        (torch's); else a ``Scaling`` folded into the first Gram product (AOL always is)."""
-        if self.precondition == "frobenius" and not folded:
+        (torch's); or AOL's ``Scaling``, folded into the first Gram product."""
+        if self.precondition == "frobenius":
             return None
         return Scaling(self.precondition, self.norm_scale, self.eps)
 
@@ -197,11 +197,10 @@ class Muon(torch.optim.Optimizer):
     - ``precondition`` (per param group): ``"frobenius"`` (torch's) or ``"aol"``, Turbo-Muon's row
       scaling taken from the first Gram product (``newton_schulz.Scaling``), meant for the shorter
       ``ns_coefficients="turbo"`` table;
-    - ``fused`` (default False): fewer passes over memory, the same arithmetic up to rounding: the
-      momentum, Nesterov look-ahead and cast into the exchange buffer as one compiled pass and the
-      decay and update as another (``muonrun.optim.fused``; compiled on GPUs, eager foreach ops
-      elsewhere), and the Frobenius normalisation folded into the first Newton–Schulz product
-      instead of a pass of its own.
+    - ``fused`` (default False): the momentum, Nesterov look-ahead and cast into the exchange
+      buffer as one compiled pass, the decay and update as another (``muonrun.optim.fused``;
+      compiled on GPUs, the same foreach ops run eagerly elsewhere): fewer passes over memory, the
+      same arithmetic up to fp32 rounding.
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -443,7 +442,7 @@ class Muon(torch.optim.Optimizer):
         ns: NSSettings = part.ns  # type: ignore[assignment]
         grid = recv.view(W, bucket.per_source)
         sample = part.buckets[0].items[0] if self._sums is not None and part is self._plan[0] else None
-        scaling = ns.scaling(folded=self.fused)
+        scaling = ns.scaling()
         for own in bucket.owned:
             k, R, C, c = own.count, own.rows, own.cols, own.chunk
             run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)

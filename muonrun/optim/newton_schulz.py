@@ -259,7 +259,7 @@ def standard_iterations(
         d = None
         if i == 0 and scaling is not None:
             d = gram_scale(A, scaling)
-            A.mul_(d.unsqueeze(-1) * d.unsqueeze(-2))  # A' = D A D, one rounding
+            A.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))  # A' = D A D, in place
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         dst = out if i == last and out is not None and not _overlaps(out, X) else None
         if fold_identity or d is not None:
@@ -311,7 +311,7 @@ def gram_iterations(
     R, Q, d = gram(X), None, None
     if scaling is not None:
         d = gram_scale(R, scaling)
-        R.mul_(d.unsqueeze(-1) * d.unsqueeze(-2))
+        R.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
         if i == restart and Q is not None:
@@ -349,8 +349,9 @@ class Scaling:
 
 def gram_scale(A: Tensor, scaling: Scaling) -> Tensor:
     """The diagonal of ``D`` (fp32 ``[k, m]``) for the first Gram product ``A`` ``[k, m, m]``."""
-    if scaling.kind == "aol":
-        return A.float().abs_().sum(-1).clamp_(min=scaling.eps**2).rsqrt_()
+    if scaling.kind == "aol":  # row sums of |A|, read once (fp32 accumulation)
+        dtype = torch.promote_types(A.dtype, torch.float32)
+        return torch.linalg.vector_norm(A, ord=1, dim=-1, dtype=dtype).clamp_(min=scaling.eps**2).rsqrt_()
     if scaling.kind != "frobenius":
         raise ValueError(f"unknown scaling {scaling.kind!r}; expected one of {PRECONDITIONS}")
     trace = A.diagonal(dim1=-2, dim2=-1).float().sum(-1, keepdim=True)

@@ -64,11 +64,11 @@ class FoldedMuon(Muon):
         return ns_iterations(X, per_step, gram=self.gram, fold_identity=True, scaling=scaling, out=out)
 
 
-# Newton–Schulz levers beyond torch's (test_muon.py checks each on one device): none, the fused
-# passes with the folded normalisation, or AOL scaling with its 4-iteration table
+# Muon's levers beyond torch's (test_muon.py checks each on one device): none, the fused passes (eager
+# here: torch's Newton–Schulz), or AOL scaling with Turbo-Muon's 4-iteration table
 LEVERS = {
     "": ({}, {}),
-    "fused": ({"fused": True}, {"fold_scaling": True}),
+    "fused": ({"fused": True}, {}),
     "aol": (
         {"precondition": "aol", "ns_coefficients": "turbo", "ns_steps": 4},
         {"precondition": "aol", "coefficients": "turbo", "steps": 4},
