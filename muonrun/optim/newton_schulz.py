@@ -258,7 +258,7 @@ def standard_iterations(
         A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)  # tall: the iteration on X^T
         d = None
         if i == 0 and scaling is not None:
-            d = gram_scale(A, scaling)
+            d = gram_scale(A, scaling).to(A.dtype)  # one D for A and X: same-dtype passes are the fast ones
             A.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))  # A' = D A D, in place
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         dst = out if i == last and out is not None and not _overlaps(out, X) else None
@@ -310,7 +310,7 @@ def gram_iterations(
         return _finish(X if scaling is None else scale_input(X, scaling), out)
     R, Q, d = gram(X), None, None
     if scaling is not None:
-        d = gram_scale(R, scaling)
+        d = gram_scale(R, scaling).to(R.dtype)
         R.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
@@ -361,8 +361,8 @@ def gram_scale(A: Tensor, scaling: Scaling) -> Tensor:
 def scale_input(X: Tensor, scaling: Scaling) -> Tensor:
     """``D X`` on its own (the zero-iteration case): a new tensor."""
     tall = X.shape[-2] > X.shape[-1]
-    d = gram_scale(torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT), scaling)
-    return X * d.unsqueeze(-2).to(X.dtype) if tall else X * d.unsqueeze(-1).to(X.dtype)
+    d = gram_scale(torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT), scaling).to(X.dtype)
+    return X * d.unsqueeze(-2) if tall else X * d.unsqueeze(-1)
 
 
 def _overlaps(a: Tensor, b: Tensor) -> bool:
