@@ -537,6 +537,15 @@ def test_zero_newton_schulz_steps_on_one_rank_step_with_the_normalised_momentum(
         torch.testing.assert_close(p0 - p, step, rtol=2**-7, atol=2**-9 * step.abs().max().item())
 
 
+def test_dry_run_names_the_newton_schulz_settings_it_counts():
+    from muonrun.config.schema import MuonConfig
+    from muonrun.tools.plan import ns_settings
+
+    assert ns_settings(MuonConfig()) == "5 iterations, default coefficients, frobenius scaling"
+    aol = MuonConfig(ns_steps=4, ns_coefficients="turbo", ns_precondition="aol", gram_ns=True)
+    assert ns_settings(aol) == "4 iterations, turbo coefficients, aol scaling, Gram form where wide"
+
+
 def test_normuon_row_scale_is_normuon_normalize():
     from muonrun.optim.newton_schulz import normuon_normalize, normuon_row_scale
 
@@ -643,9 +652,9 @@ def test_state_dict_round_trip(variant):
     b = [p.clone() for p in a]
     opt_b = Muon(b, lr=LR, variant=variant)
     saved = copy.deepcopy(opt.state_dict())  # load_state_dict may alias tensors
-    if variant == "muon":  # saved before NorMuon's settings existed: their defaults
+    if variant == "muon":  # saved before NorMuon's and AOL's settings existed: their defaults
         for group in saved["param_groups"]:
-            del group["variant"], group["beta2"], group["normuon_eps"]
+            del group["variant"], group["beta2"], group["normuon_eps"], group["precondition"]
     opt_b.load_state_dict(saved)
     for step in range(3, 6):
         set_grads([a, b], step)

@@ -110,13 +110,28 @@ class Passes:
     def momentum(self, key: tuple, bufs, grads, dsts, momentum: float, nesterov: bool) -> None:
         self._call(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov)
 
-    def decay_and_update(
-        self, key: tuple, params, updates, values: Sequence[float], slots: Sequence[tuple[int, int]]
-    ) -> None:
-        """``values``: the host scalars the slots index (compiled: made one device tensor, without a
-        host-to-device copy)."""
-        scalars = to_device(list(values), params[0].device) if self.compiled else list(values)
+    def decay_and_update(self, key: tuple, runs: Sequence[tuple[list, list, float, float]]) -> None:
+        """``runs``: (params, updates, decay factor, update scale) per group and shape. The host
+        scalars become one device tensor when compiled (without a host-to-device copy)."""
+        params, updates, values, slots, factors = [], [], [], [], {}
+        for ps, us, factor, alpha in runs:
+            if factor not in factors:
+                factors[factor] = len(values)
+                values.append(factor)
+            values.append(alpha)
+            params += ps
+            updates += us
+            slots += [(factors[factor], len(values) - 1)] * len(ps)
+        scalars = to_device(values, params[0].device) if self.compiled else values
         self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots))
+
+    @classmethod
+    def choose(cls, fused: bool, plan: Sequence, backend: str | None) -> Passes:
+        """Compiled with ``backend`` when given (any device), else compiled where inductor generates
+        GPU code (``can_compile``), else eager; not fused: eager."""
+        if fused and backend is not None:
+            return cls(True, backend)
+        return cls(fused and bool(plan) and can_compile(plan[0].device))
 
 
 def can_compile(device: torch.device) -> bool:

@@ -35,8 +35,8 @@ With the same arguments and gradients, :class:`Muon` gives the parameters that
 ``variant="normuon"`` (NorMuon) replaces ``O`` by ``normuon_normalize(O, v, beta2, normuon_eps)``:
 each row divided by the root of an EMA ``v`` of its mean square, then the matrix rescaled to the
 Frobenius norm ``sqrt(min(A, B))`` of an orthogonal one; with ``adjust_lr_fn="match_rms_adamw"`` the
-step is the paper's ``0.2 * lr * sqrt(A B) / ||Ô||_F * Ô``. The owner computes it in fp32 and
-returns it in ``ns_dtype``.
+step is the paper's ``0.2 * lr * sqrt(A B) / ||Ô||_F * Ô``. The owner computes one fp32 factor per
+row from the rows' sums of squares (``normuon_row_scale``) and scales ``O`` in place, in ``ns_dtype``.
 
 Distributed algorithm (FSDP2 / HSDP)
 ------------------------------------
@@ -74,14 +74,13 @@ tests/dist/muon_bench.py`` measures them on GPUs, ``scripts/bench_muon_cpu.py`` 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from muonrun.distributed import local_tensor
-from muonrun.optim.fused import Passes, can_compile
+from muonrun.optim.fused import Passes
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
     DEFAULT_EPS,
@@ -90,7 +89,6 @@ from muonrun.optim.newton_schulz import (
     PRECONDITIONS,
     Coefficients,
     NSCoefficients,
-    Scaling,
     adjust_lr,
     newton_schulz_flops,
     normuon_row_scale,
@@ -99,6 +97,7 @@ from muonrun.optim.newton_schulz import (
     resolve_ns_coefficients,
     uses_gram_form,
 )
+from muonrun.optim.settings import NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
@@ -116,62 +115,6 @@ __all__ = ["Muon"]
 
 VARIANTS = ("muon", "normuon")
 NS_DTYPES = (torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class NSSettings:
-    """How one param group's matrices are orthogonalised (and, for NorMuon, normalised on the owner);
-    matrices that share it batch together."""
-
-    per_step: tuple[Coefficients, ...]
-    norm_scale: float
-    eps: float
-    normuon: tuple[float, float] | None  # NorMuon's (beta2, eps); None: plain Muon
-    precondition: str = "frobenius"  # newton_schulz.PRECONDITIONS
-
-    @classmethod
-    def of(cls, group: dict) -> NSSettings:
-        per_step, norm_scale = resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
-        normuon = (float(group["beta2"]), float(group["normuon_eps"]))
-        return cls(
-            per_step,
-            norm_scale,
-            float(group["eps"]),
-            normuon if group["variant"] == "normuon" else None,
-            group["precondition"],
-        )
-
-    def scaling(self) -> Scaling | None:
-        """How the owner scales its matrices: None, a pass dividing by the Frobenius norm
-        (torch's); or AOL's ``Scaling``, folded into the first Gram product."""
-        if self.precondition == "frobenius":
-            return None
-        return Scaling(self.precondition, self.norm_scale, self.eps)
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """One param group's hyperparameters, read once per step (the schedule may change ``lr``)."""
-
-    lr: float
-    weight_decay: float
-    momentum: float
-    nesterov: bool
-    adjust_lr_fn: str | None
-
-    @classmethod
-    def of(cls, group: dict) -> StepSettings:
-        return cls(
-            lr=_to_float(group["lr"]),
-            weight_decay=float(group["weight_decay"]),
-            momentum=float(group["momentum"]),
-            nesterov=bool(group["nesterov"]),
-            adjust_lr_fn=group["adjust_lr_fn"],
-        )
-
-
-def _to_float(x: float | Tensor) -> float:
-    return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
 class Muon(torch.optim.Optimizer):
@@ -225,9 +168,7 @@ class Muon(torch.optim.Optimizer):
     """Fill ``self.telemetry`` during ``step()`` (see the class docstring); set by the trainer."""
 
     compile_backend: str | None = None
-    """With ``fused``: None compiles the elementwise passes with inductor where it generates GPU code
-    (``fused.can_compile``) and runs them eagerly elsewhere; a backend name compiles them with it on
-    any device (tests trace them with ``"aot_eager"``)."""
+    """With ``fused``: a torch.compile backend for its passes on any device (tests: ``"aot_eager"``)."""
 
     def __init__(
         self,
@@ -252,7 +193,7 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
-        if not _to_float(lr) >= 0.0:
+        if not to_float(lr) >= 0.0:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
         if not momentum >= 0.0:
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
@@ -354,10 +295,7 @@ class Muon(torch.optim.Optimizer):
             ]
             self._plan = build_plan(entries, self.bucket_numel)
             self._plan_key = key
-            if self.fused and self.compile_backend is not None:
-                self._passes = Passes(True, self.compile_backend)
-            else:
-                self._passes = Passes(self.fused and bool(self._plan) and can_compile(self._plan[0].device))
+            self._passes = Passes.choose(self.fused, self._plan, self.compile_backend)
         return self._plan
 
     @torch.no_grad()
@@ -421,18 +359,11 @@ class Muon(torch.optim.Optimizer):
             send[lo:hi].zero_()
         return send
 
-    def _newton_schulz(
-        self,
-        X: Tensor,
-        per_step: Sequence[Coefficients],
-        *,
-        scaling: Scaling | None = None,
-        out: Tensor | None = None,
-    ) -> Tensor:
-        """Newton–Schulz on a stack of owned matrices (normalised, or scaled by ``scaling``):
-        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it; the last product
-        written into ``out`` when given. Tests override it to step with another evaluation."""
-        return ns_iterations(X, per_step, gram=self.gram, scaling=scaling, out=out)
+    def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients], **kw) -> Tensor:
+        """Newton–Schulz on a stack of owned matrices (``ns_iterations``: ``scaling``, ``out``):
+        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it. Tests override it to
+        step with another evaluation."""
+        return ns_iterations(X, per_step, gram=self.gram, **kw)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz
@@ -496,19 +427,12 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
                 deltas += d
             self._sums.add(part.shard.group, "update", sum_of_squares(deltas))
-        ps, us, values, slots = [], [], [], []
-        factor_slot = {}
+        runs = []  # per (group, shape): params, updates, decay factor, update scale
         for gi, rows, cols, items in bucket.by_update:
             s = settings[gi]
-            if gi not in factor_slot:
-                factor_slot[gi] = len(values)
-                values.append(1 - s.lr * s.weight_decay)
-            values.append(-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
-            for it in items:
-                ps.append(local_tensor(it.param))
-                us.append(views[id(it)])
-                slots.append((factor_slot[gi], len(values) - 1))
-        self._passes.decay_and_update((id(bucket),), ps, us, values, slots)
+            ps, us = [local_tensor(it.param) for it in items], [views[id(it)] for it in items]
+            runs.append((ps, us, 1 - s.lr * s.weight_decay, -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))))
+        self._passes.decay_and_update((id(bucket),), runs)
         if part.ns.normuon:  # type: ignore[attr-defined]
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
             torch._foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
