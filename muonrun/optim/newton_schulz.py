@@ -1,7 +1,9 @@
 """Newton–Schulz orthogonalisation and Muon's learning-rate scaling: pure functions of tensors.
 
 ``newton_schulz(G)`` approximates the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` (in bf16
-unless asked otherwise); ``normuon_normalize`` is NorMuon's per-row normalisation of that result;
+unless asked otherwise), its input divided by its Frobenius norm or scaled by AOL (``Scaling``);
+``normuon_normalize`` is NorMuon's per-row normalisation of that result (``normuon_row_scale``: the
+same as one factor per row);
 ``adjust_lr`` scales the learning rate by the matrix shape; ``newton_schulz_flops`` counts the
 matmul FLOPs of one call (the dry-run plan and Muon's owner balancing use it);
 ``orthogonality_residual`` measures how orthogonal a result is. Imports only torch.
@@ -19,6 +21,10 @@ References
   lr scaling ``sqrt(A/B)``.
 - Z. Li, L. Liu, C. Liang, W. Chen, T. Zhao, "NorMuon: Making Muon more efficient and scalable",
   arXiv:2510.05491 -- the per-row second-moment normalisation (``normuon_normalize``).
+- T. Boissin, T. Massena, F. Mamalet, M. Serrurier, "Turbo-Muon: Accelerating Orthogonality-Based
+  Optimization with Pre-Conditioning", arXiv:2512.04632 -- AOL scaling and the ``"turbo"`` table
+  (AOL: B. Prach, C. H. Lampert, "Almost-Orthogonal Layers for Efficient General-Purpose Lipschitz
+  Networks", arXiv:2208.03160).
 - J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
   Algorithm for Muon" (blog, 2026), https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on
   the Gram matrix ``X X^T``, stabilised by a restart (``gram=True``).
