@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from muonrun import log
+from muonrun.compat import compile_error
 from muonrun.distributed import to_device
 
 _said: set[str] = set()
@@ -80,7 +81,7 @@ class Passes:
     ``key`` names one bucket's call (the same key must always come with the same tensor shapes): its
     compiled function is built at the first call and reused after."""
 
-    def __init__(self, compiled: bool, backend: str = "inductor") -> None:
+    def __init__(self, compiled: bool, backend: str | Callable = "inductor") -> None:
         self.compiled = compiled
         self.backend = backend
         self._fns: dict[tuple, Callable] = {}
@@ -92,11 +93,9 @@ class Passes:
         if compiled is None:
             compiled = torch.compile(_fresh(fn), backend=self.backend, fullgraph=True, dynamic=False)
             self._fns[key] = compiled
-        from torch._dynamo.exc import TorchDynamoException
-
         try:
             return compiled(*args)
-        except TorchDynamoException as e:  # compiling failed before anything ran
+        except compile_error() as e:  # compiling failed before anything ran
             _say_once(
                 "compile-failed",
                 f"Muon's fused elementwise passes could not be compiled ({type(e).__name__}: "
@@ -126,7 +125,7 @@ class Passes:
         self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots))
 
     @classmethod
-    def choose(cls, fused: bool, plan: Sequence, backend: str | None) -> Passes:
+    def choose(cls, fused: bool, plan: Sequence, backend: str | Callable | None) -> Passes:
         """Compiled with ``backend`` when given (any device), else compiled where inductor generates
         GPU code (``can_compile``), else eager; not fused: eager."""
         if fused and backend is not None:

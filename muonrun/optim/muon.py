@@ -167,8 +167,8 @@ class Muon(torch.optim.Optimizer):
     collect_telemetry: bool = False
     """Fill ``self.telemetry`` during ``step()`` (see the class docstring); set by the trainer."""
 
-    compile_backend: str | None = None
-    """With ``fused``: a torch.compile backend for its passes on any device (tests: ``"aot_eager"``)."""
+    compile_backend = None
+    """With ``fused``: a torch.compile backend (name or callable) for its passes on any device (tests)."""
 
     def __init__(
         self,
