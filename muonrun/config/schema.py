@@ -163,8 +163,11 @@ class MuonConfig:
     """Orthogonalize the Nesterov look-ahead instead of the momentum buffer."""
     ns_steps: int = 5
     """Newton–Schulz iterations (at least 1)."""
-    ns_coefficients: Literal["default", "polar_express"] = "default"
-    """`default` (3.4445, -4.7750, 2.0315) every iteration, or `polar_express` (per-iteration coefficients)."""
+    ns_coefficients: Literal["default", "polar_express", "turbo"] = "default"
+    """`default` (3.4445, -4.7750, 2.0315) every iteration; `polar_express` (per-iteration
+    coefficients, arXiv:2505.16932: about half the default's distance to the polar factor at 5
+    iterations); or `turbo`, Turbo-Muon's 4-iteration table for `ns_precondition=aol` with
+    `ns_steps=4` (arXiv:2512.04632). A table shorter than `ns_steps` repeats its last row."""
     gram_ns: bool = False
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
     restart: the same iteration in exact arithmetic, about 40% fewer FLOPs on MLP-shaped matrices, as
@@ -183,6 +186,22 @@ class MuonConfig:
     that is the paper's step 0.2 * lr * sqrt(A*B) / ||Ô||_F. Keeps one more fp32 number per matrix row."""
     beta2: float = 0.95
     """NorMuon's EMA coefficient for each row's second moment, in [0, 1) (unused by `muon`)."""
+    ns_precondition: Literal["frobenius", "aol"] = "frobenius"
+    """How Newton–Schulz scales its input: `frobenius` divides it by its Frobenius norm
+    (torch.optim.Muon's); `aol` scales row i by (sum_j |(X X^T)_ij|)^(-1/2) (Turbo-Muon's AOL
+    preconditioning, arXiv:2512.04632), read off the first iteration's own product. Its small
+    singular values start 1.2-3x larger, which lets Turbo-Muon's 4-iteration table
+    (`ns_coefficients=turbo`, `ns_steps=4`) stand in for 5 iterations: 20% fewer FLOPs in the
+    standard form, 11% in the Gram form (whose restart costs the same either way). It trades
+    closeness to the polar factor by spectrum: 2-3x closer on flat spectra, up to 1.7x farther on
+    steep ones (docs/performance.md, per preset shape), so it is not the default; try it where
+    Newton–Schulz dominates the step (one GPU, square matrices)."""
+    fused: bool | None = None
+    """Fewer passes over memory in Muon's step, the same arithmetic up to fp32 rounding: momentum,
+    Nesterov look-ahead and the cast into the bf16 exchange buffer as one compiled kernel, weight
+    decay and the update as another (torch.compile). Pays most on one GPU, where Muon's own
+    elementwise work is not shared across ranks; the first step compiles a few small kernels. None:
+    on for GPUs, off on CPU (`true` there runs the same ops eagerly, and says so once)."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are

@@ -15,7 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from muonrun.distributed import local_tensor
-from muonrun.optim.newton_schulz import normuon_normalize
+from muonrun.optim.newton_schulz import adjust_lr, normuon_normalize, uses_gram_form
+from muonrun.optim.settings import NSSettings
+from muonrun.optim.telemetry import reduce_group, sum_of_squares
 
 try:  # torch built without distributed support
     from torch.distributed.tensor import DTensor
@@ -75,8 +77,9 @@ def orthogonalize_stacked(
     """The orthogonalised update of a local stack ``u`` ``[e, out, in]`` (this rank's experts) as
     ``[e * k, out / k, in]`` in ``ns_dtype`` (k = ``matrices_per_expert``), and one matrix's shape.
 
-    Each matrix is normalised by its Frobenius norm (times ``ns.norm_scale``, at least ``ns.eps``) and
-    iterated by ``newton_schulz`` in one batch, as the 2-D path does for the matrices a rank owns.
+    Each matrix is scaled as ``ns`` says (its Frobenius norm times ``ns.norm_scale``, at least
+    ``ns.eps``; or AOL's row scaling inside the first product) and iterated by ``newton_schulz`` in one
+    batch, as the 2-D path does for the matrices a rank owns.
     NorMuon (``ns.normuon``): the rows are then normalised with ``v`` ``[e, out]`` (updated in place).
     """
     k = matrices_per_expert
@@ -86,13 +89,46 @@ def orthogonalize_stacked(
         return X, (rows, cols)
     if X.data_ptr() == u.data_ptr():
         X = X.clone()  # never scale the momentum buffer itself
-    norm = torch.linalg.vector_norm(X, dim=(1, 2))
-    if ns.norm_scale != 1.0:
-        norm = norm * ns.norm_scale
-    X.div_(norm.clamp_(min=ns.eps).view(-1, 1, 1))
-    out = newton_schulz(X, ns.per_step)
+    scaling = ns.scaling()
+    if scaling is None:  # Frobenius: a pass of its own; AOL is folded into the first product
+        norm = torch.linalg.vector_norm(X, dim=(1, 2))
+        if ns.norm_scale != 1.0:
+            norm = norm * ns.norm_scale
+        X.div_(norm.clamp_(min=ns.eps).view(-1, 1, 1))
+    out = newton_schulz(X, ns.per_step, scaling=scaling)
     if ns.normuon:
         out, new_v = normuon_normalize(out, v.view(-1, rows), *ns.normuon)
         v.view(-1, rows).copy_(new_v)
         out = out.to(ns_dtype)
     return out, (rows, cols)
+
+
+def step_stacked(opt, gi: int, p: Tensor, s) -> None:
+    """`Muon.step` for one stacked expert parameter (`opt`'s param group `gi`, step settings `s`):
+    momentum, then every matrix of this rank's experts orthogonalised in one batch (NorMuon:
+    normalised), weight decay and the update, all local."""
+    group = opt.param_groups[gi]
+    ns = NSSettings.of(group)
+    local, buf = local_tensor(p), local_tensor(opt._momentum_buffer(p))
+    grad = p.grad
+    if grad.is_sparse:
+        raise RuntimeError("Muon does not support sparse gradients")
+    grad = local_tensor(grad)
+    buf.lerp_(grad, 1 - s.momentum)
+    u = grad.lerp(buf, s.momentum) if s.nesterov else buf
+    v = local_tensor(opt._second_moment(p)) if ns.normuon else None
+    update, shape = orthogonalize_stacked(
+        u, group["matrices_per_expert"], ns, opt.ns_dtype, opt._newton_schulz, v
+    )
+    opt.stats["orthogonalized"] += update.shape[0]
+    opt.stats["gram"] += update.shape[0] * (opt.gram and uses_gram_form(shape, len(ns.per_step)))
+    update = update.view(local.shape)
+    alpha = -adjust_lr(s.lr, s.adjust_lr_fn, shape)
+    if opt._sums is not None:
+        pg = reduce_group(p)
+        opt._sums.add(pg, "momentum", sum_of_squares([buf]))
+        delta = torch.add(local * (-s.lr * s.weight_decay), update, alpha=alpha)
+        opt._sums.add(pg, "update", sum_of_squares([delta]))
+    if s.lr * s.weight_decay != 0.0:
+        local.mul_(1 - s.lr * s.weight_decay)
+    local.add_(update, alpha=alpha)

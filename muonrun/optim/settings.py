@@ -1,18 +1,14 @@
-"""One Muon param group's settings as the step reads them: how its matrices are orthogonalised
-(`NSSettings`, shared by the matrices that batch together) and its hyperparameters (`StepSettings`).
-"""
+"""Muon's per-param-group settings, read from the groups: what batches together on an owner
+(``NSSettings``, part of the exchange plan's key) and what one step applies (``StepSettings``).
+Only ``muonrun.optim.muon`` uses this module."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-from muonrun.optim.newton_schulz import Coefficients, resolve_ns_coefficients
-
-VARIANTS = ("muon", "normuon")
-NS_DTYPES = (torch.bfloat16, torch.float32)
+from muonrun.optim.newton_schulz import Coefficients, Scaling, resolve_ns_coefficients
 
 
 @dataclass(frozen=True)
@@ -24,14 +20,22 @@ class NSSettings:
     norm_scale: float
     eps: float
     normuon: tuple[float, float] | None  # NorMuon's (beta2, eps); None: plain Muon
+    precondition: str = "frobenius"  # newton_schulz.PRECONDITIONS
 
     @classmethod
     def of(cls, group: dict) -> NSSettings:
         per_step, norm_scale = resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
-        normuon = (float(group["beta2"]), float(group["normuon_eps"]))
-        return cls(
-            per_step, norm_scale, float(group["eps"]), normuon if group["variant"] == "normuon" else None
+        normuon = (
+            (float(group["beta2"]), float(group["normuon_eps"])) if group["variant"] == "normuon" else None
         )
+        return cls(per_step, norm_scale, float(group["eps"]), normuon, group["precondition"])
+
+    def scaling(self) -> Scaling | None:
+        """How the owner scales its matrices: None, a pass dividing by the Frobenius norm
+        (torch's); or AOL's ``Scaling``, folded into the first Gram product."""
+        if self.precondition == "frobenius":
+            return None
+        return Scaling(self.precondition, self.norm_scale, self.eps)
 
 
 @dataclass(frozen=True)

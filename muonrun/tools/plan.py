@@ -125,6 +125,14 @@ def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = Fals
     return owner_flops(shapes, dp_shard, steps, gram)
 
 
+def ns_settings(m) -> str:
+    """The Newton–Schulz settings the FLOPs are counted for, in words."""
+    parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
+    if m.gram_ns:
+        parts.append("Gram form where wide")
+    return ", ".join(parts)
+
+
 def tokenizer_vocab(c) -> tuple[int | None, str]:
     """(vocabulary size, a line for the plan). A tokenizer this machine cannot load (a Hub id, offline)
     is reported as unchecked instead of failing the plan: the launcher checks it before training."""
@@ -253,7 +261,8 @@ def print_plan(cfg: Config, world_size: int | None) -> None:
             -1,
             (
                 "Muon Newton–Schulz",
-                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step = {ns / model:.1%} of the model's "
+                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step ({ns_settings(cfg.optimizer.muon)}) "
+                f"= {ns / model:.1%} of the model's "
                 f"{model / 1e12:.1f} TFLOP per rank and step (busiest rank: {ns / 1e12:.2f} TFLOP, "
                 f"{ns / average:.1%} of the average, with owners balanced by cost; {rr / 1e12:.2f} TFLOP, "
                 f"{rr / average:.1%}, with each shape dealt round-robin): the arithmetic Muon adds; its momentum, "
