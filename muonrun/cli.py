@@ -54,11 +54,12 @@ def user_errors(fn):
         except UserError as e:
             err_console.print(f"[bold red]muonrun:[/] {escape(str(e))}")
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:  # a second Ctrl-C (the first saves and stops cleanly)
+        except KeyboardInterrupt as e:  # a second Ctrl-C (the first saves and stops cleanly), or SIGQUIT
+            what = getattr(e, "signal_name", "Ctrl-C")
             err_console.print(
-                "[bold red]muonrun:[/] stopped by Ctrl-C; steps since the last checkpoint are lost."
+                f"[bold red]muonrun:[/] stopped by {what}; steps since the last checkpoint are lost."
             )
-            raise typer.Exit(130) from None
+            raise typer.Exit(getattr(e, "exit_code", 130)) from None
 
     return wrapper
 

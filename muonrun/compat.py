@@ -1,6 +1,20 @@
-"""Private torch names muonrun uses, in one place, each with a test in tests/test_compat.py that fails
-naming it when a torch release changes or removes it.
+"""Every private torch name muonrun uses, in one place, each with a test in tests/test_compat.py that fails
+naming it when a torch release changes or removes it. Nothing else in muonrun touches a private torch name.
 
+Why each one is here, and not torch's public API:
+- `torch._foreach_*`: the multi-tensor kernels behind torch's own optimizers and `clip_grad_norm_`; the
+  public API has no list-of-tensors arithmetic, and a Python loop costs a kernel launch per tensor.
+- `DTensor._local_tensor`: the local shard without `to_local()`'s autograd node, read on hundreds of
+  tensors per step by the optimizers and the clip.
+- `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`: which rows of a sharded
+  parameter this rank holds (HF weights read shard by shard, QK-clip's per-head rows); DTensor has no
+  public accessor for its global offset.
+- `torch.optim.AdamW._init_group`: where torch gathers a param group's lists for its functional AdamW;
+  muonrun's AdamW swaps in the local shards there (muonrun/optim/adamw.py says why).
+- `FileSystemReader._get_metadata_path`: the path of DCP's metadata file, which muonrun reads itself
+  through an allow-listing unpickler (muonrun/checkpoint/safe.py).
+- DTensor's caches (`MESH_CACHES`): they keep every DeviceMesh, and through them every process group,
+  alive to the end of the process; torch offers no public way to empty them.
 - `torch._dynamo.exc.TorchDynamoException`: what `torch.compile` raises when it cannot compile a
   function (`BackendCompilerFailed`, `Unsupported`, ... derive from it). Muon's fused passes
   (muonrun/optim/fused.py) catch it on their first call, before anything ran, to fall back to the
@@ -9,6 +23,106 @@ naming it when a torch release changes or removes it.
 """
 
 from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Sequence
+from functools import reduce
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:  # torch built without distributed support
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+# -- multi-tensor kernels --------------------------------------------------------------------------------
+
+FOREACH = ("norm", "sub", "mul", "mul_", "add_", "lerp", "lerp_", "copy_")
+"""The `torch._foreach_<name>` kernels muonrun calls."""
+
+foreach_norm: Callable[..., list[Tensor]] = torch._foreach_norm
+foreach_sub: Callable[..., list[Tensor]] = torch._foreach_sub
+foreach_mul: Callable[..., list[Tensor]] = torch._foreach_mul
+foreach_mul_: Callable[..., None] = torch._foreach_mul_
+foreach_add_: Callable[..., None] = torch._foreach_add_
+foreach_lerp: Callable[..., list[Tensor]] = torch._foreach_lerp
+foreach_lerp_: Callable[..., None] = torch._foreach_lerp_
+foreach_copy_: Callable[..., None] = torch._foreach_copy_
+
+
+# -- DTensor ---------------------------------------------------------------------------------------------
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view sharing its storage), or the tensor itself. Reads the
+    attribute instead of calling `to_local()`, which records an autograd node on every call: the
+    optimizers and the clip call it on hundreds of tensors per step."""
+    return t._local_tensor if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def local_shape_and_offset(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's shard of `t`: its shape and the global index of its first element."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
+
+
+MESH_CACHES = (
+    ("torch.distributed.tensor.debug", "_clear_python_sharding_prop_cache", ""),
+    ("torch.distributed.tensor.debug", "_clear_fast_path_sharding_prop_cache", ""),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache", ""),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos", "cache_clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh", "cache_clear"),
+)
+"""DTensor's caches that hold DeviceMeshes for the life of the process: (module, attribute path, the
+method that empties it, or "" when the attribute is that function)."""
+
+
+def mesh_cache_clearer(module: str, path: str, method: str) -> Callable[[], Any]:
+    """The function that empties one of `MESH_CACHES`; ImportError or AttributeError if this torch
+    lacks it."""
+    cache = reduce(getattr, path.split("."), importlib.import_module(module))
+    return getattr(cache, method) if method else cache
+
+
+def clear_mesh_caches() -> None:
+    """Empty DTensor's mesh caches (those this torch has: the test names any that went missing)."""
+    for entry in MESH_CACHES:
+        with contextlib.suppress(ImportError, AttributeError):
+            mesh_cache_clearer(*entry)()
+
+
+# -- optimizers ------------------------------------------------------------------------------------------
+
+
+class AdamWWithGroupLists(torch.optim.AdamW):
+    """`torch.optim.AdamW` that hands a subclass the lists torch gathers for each param group
+    (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps) after torch filled them and
+    before its functional AdamW runs on them: `group_lists` may replace their items in place."""
+
+    def group_lists(self, group: dict, lists: Sequence[list[Tensor]]) -> None:
+        """Override: edit `lists` in place."""
+
+    def _init_group(self, group: dict, *lists: list[Tensor]):
+        out = super()._init_group(group, *lists)
+        self.group_lists(group, lists)
+        return out
+
+
+# -- distributed checkpoint ------------------------------------------------------------------------------
+
+
+def dcp_metadata_path(reader, rank: int | None = None):
+    """The metadata file a `torch.distributed.checkpoint.FileSystemReader` reads (per rank, or the
+    global one)."""
+    return reader._get_metadata_path(rank)
+
+
+# -- torch.compile -----------------------------------------------------------------------------------------
 
 
 def compile_error() -> type[Exception]:

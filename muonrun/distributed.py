@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
+from muonrun.compat import clear_mesh_caches
+from muonrun.compat import local_tensor as local_tensor  # where the package imports it from
 from muonrun.errors import UserError
 
 if TYPE_CHECKING:  # only the type: this module imports torch alone, so the optimizers can use it
@@ -116,13 +116,6 @@ def init_distributed(c: Config) -> Dist:
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device, mesh=mesh)
 
 
-def local_tensor(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a view sharing its storage), or the tensor itself. Reads the
-    attribute instead of calling `to_local()`, which records an autograd node on every call: the
-    optimizers and the clip call it on hundreds of tensors per step."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def free_port() -> int:
     import socket
 
@@ -181,17 +174,6 @@ def destroy(barrier: bool = True) -> None:
         dist.destroy_process_group()
 
 
-# Torch's DTensor caches that hold DeviceMeshes (and through them process groups) for the life of the
-# process: (module, attribute path, the method that empties it or "" if the attribute is that function).
-_MESH_CACHES = (
-    ("torch.distributed.tensor.debug", "_clear_python_sharding_prop_cache", ""),
-    ("torch.distributed.tensor.debug", "_clear_fast_path_sharding_prop_cache", ""),
-    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache", ""),
-    ("torch.distributed.tensor._redistribute", "_gen_transform_infos", "cache_clear"),
-    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh", "cache_clear"),
-)
-
-
 def release_process_groups() -> None:
     """After destroy(), once the training objects are gone: free the process groups (and gloo's threads)
     while the interpreter is whole. DTensor's caches keep DeviceMeshes, and through them every process
@@ -200,15 +182,8 @@ def release_process_groups() -> None:
     exception"), turning a finished run or exit code 3 into -6. A group still live (a rank that failed
     alone, its peers perhaps inside a collective with it) is left to the process exit."""
     import gc
-    import importlib
-    from functools import reduce
 
     if dist.is_initialized():
         return
-    for module, path, method in _MESH_CACHES:
-        try:
-            cache = reduce(getattr, path.split("."), importlib.import_module(module))
-            (getattr(cache, method) if method else cache)()
-        except (ImportError, AttributeError):  # another torch version: its caches differ
-            pass
+    clear_mesh_caches()
     gc.collect()

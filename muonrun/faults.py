@@ -6,6 +6,8 @@
     MUONRUN_FAULT=term@6           rank 0 sends SIGTERM to the launcher after step 6 (like a scheduler
                                    preempting the job: the launcher forwards it to every worker)
     MUONRUN_FAULT=int@6            rank 0 sends SIGINT to the launcher after step 6 (Ctrl-C); int2@6 twice
+    MUONRUN_FAULT=hang@6           rank 0's step 6 lasts until a stop request reaches it (10 minutes at
+                                   most): a very long step, for stop requests, kills and a second launch
 
 Append `:rN` to pick another rank (`nan@7:r1`). A fault fires only in the first attempt of a job
 (TORCHELASTIC_RESTART_COUNT unset or 0), so `--max-restarts` can show the recovery.
@@ -24,12 +26,12 @@ import torch
 
 ENV = "MUONRUN_FAULT"
 LAUNCHER_PID_ENV = "MUONRUN_LAUNCHER_PID"
-_SPEC = re.compile(r"^(nan|kill|term|int|int2)@(save:)?(\d+)(?::r(\d+))?$")
+_SPEC = re.compile(r"^(nan|kill|term|int|int2|hang)@(save:)?(\d+)(?::r(\d+))?$")
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # nan | kill | term | int | int2
+    kind: str  # nan | kill | term | int | int2 | hang
     step: int
     at_save: bool = False
     rank: int = 0
@@ -42,7 +44,7 @@ def parse(spec: str | None) -> Fault | None:
     if not m or (m.group(2) and m.group(1) != "kill"):
         raise ValueError(
             f"{ENV}='{spec}' is not one of nan@STEP, kill@STEP, kill@save:STEP, term@STEP, int@STEP, "
-            "int2@STEP (+ :rRANK)"
+            "int2@STEP, hang@STEP (+ :rRANK)"
         )
     return Fault(m.group(1), int(m.group(3)), bool(m.group(2)), int(m.group(4) or 0))
 
@@ -64,10 +66,15 @@ def corrupt_loss(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return loss * float("nan") if _fires("nan", step, rank) else loss
 
 
-def after_step(step: int, rank: int) -> None:
-    """`kill@STEP`, `term@STEP`, `int@STEP` and `int2@STEP`, checked after step STEP's update."""
+def after_step(step: int, rank: int, stop_requested=lambda: False) -> None:
+    """`kill@STEP`, `term@STEP`, `int@STEP`, `int2@STEP` and `hang@STEP`, checked after step STEP's update.
+    `hang` waits (10 minutes at most) until `stop_requested()`: a step that takes long."""
     if _fires("kill", step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _fires("hang", step, rank):
+        deadline = time.monotonic() + 600
+        while not stop_requested() and time.monotonic() < deadline:
+            time.sleep(0.05)
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, os.getpid()))
     if _fires("term", step, rank):
         os.kill(launcher, signal.SIGTERM)

@@ -1,9 +1,228 @@
-"""Each private torch name in muonrun/compat.py still exists and means what muonrun relies on."""
+"""muonrun/compat.py holds every private torch name muonrun uses: each test here fails naming the one a
+torch release changed or removed, and one test holds the rest of the package to torch's public API."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import muonrun
 from muonrun import compat
+
+PACKAGE = Path(muonrun.__file__).parent
+
+
+def _torch_rooted(node: ast.AST) -> list[str]:
+    """The dotted name of an attribute chain, e.g. ['torch', '_foreach_norm'] (empty if not a name chain)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id, *reversed(parts)]
+    return []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+# Private names of other libraries muonrun reads (not torch's), by the library they belong to.
+FOREIGN_PRIVATE = {"_get_node": "omegaconf", "_exit": "os (documented: os._exit)"}
+
+
+def _own_private_names() -> set[str]:
+    """Every private name muonrun itself defines (functions, attributes, module globals)."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if _private(n)}
+
+
+def _private_uses(path: Path, own: frozenset[str] = frozenset()) -> list[str]:
+    """Private torch names a module touches: imports from private torch modules or of private names,
+    attribute chains from `torch` through a private name, a private attribute that muonrun does not
+    define itself (on a torch object), and private torch module names in strings (importlib)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and node.attr not in own | FOREIGN_PRIVATE.keys()
+        ):
+            receiver = node.value.id if isinstance(node.value, ast.Name) else ""
+            if receiver not in ("self", "cls", "torch"):
+                found.append(f"line {node.lineno}: .{node.attr}")
+        text = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ""
+        if text.startswith("torch.") and any(_private(p) for p in text.split(".")):
+            found.append(f"line {node.lineno}: '{text}'")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            if any(_private(p) for p in node.module.split(".")):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+            found += [
+                f"line {node.lineno}: {a.name} from {node.module}" for a in node.names if _private(a.name)
+            ]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"line {node.lineno}: import {a.name}"
+                for a in node.names
+                if a.name.split(".")[0] == "torch" and any(_private(p) for p in a.name.split("."))
+            ]
+        elif isinstance(node, ast.Attribute):
+            chain = _torch_rooted(node)
+            if chain[:1] == ["torch"] and any(_private(p) for p in chain[1:]):
+                found.append(f"line {node.lineno}: {'.'.join(chain)}")
+    return found
+
+
+def test_no_module_but_compat_touches_a_private_torch_name():
+    """By source (imports, `torch.…._x` chains) and by class (a method that overrides a private method of
+    a torch base class); and nothing patches torch's elastic agent or scans /proc for workers."""
+    offenders, own = {}, frozenset(_own_private_names())
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "compat.py":
+            continue
+        uses = _private_uses(path, own)
+        text = path.read_text()
+        uses += [
+            f"mentions {word}"
+            for word in ("_monitor_workers", "_restart_workers", "_remaining_restarts", "/proc/")
+            if word in text
+        ]
+        if uses:
+            offenders[str(path.relative_to(PACKAGE))] = sorted(set(uses))
+    for info in pkgutil.walk_packages([str(PACKAGE)], "muonrun."):
+        if info.name.endswith(".compat") or info.name.endswith("__main__"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (peft, torchao) that is not installed
+            continue
+        for cls_name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue
+            for name, value in vars(cls).items():
+                # methods written in the class (not what ABC or autograd's metaclass add to it)
+                if not (_private(name) and inspect.isfunction(value) and value.__module__ == module.__name__):
+                    continue
+                owners = [b for b in cls.__mro__[1:] if name in vars(b) and b.__module__.startswith("torch")]
+                if owners:
+                    offenders.setdefault(info.name, []).append(
+                        f"{cls_name}.{name} overrides {owners[0].__module__}.{owners[0].__qualname__}.{name}"
+                    )
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("name", compat.FOREACH)
+def test_each_foreach_kernel_computes_what_its_name_says(name):
+    assert hasattr(torch, f"_foreach_{name}"), f"torch._foreach_{name} is gone from this torch"
+    a, b = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])], [torch.tensor([1.0, 1.0]), torch.tensor([2.0])]
+    fn = getattr(compat, f"foreach_{name}")
+    if name == "norm":
+        got, want = fn(a), [torch.tensor(5.0), torch.tensor(1.0)]
+    elif name == "sub":
+        got, want = fn(a, b), [torch.tensor([2.0, 3.0]), torch.tensor([-1.0])]
+    elif name == "mul":
+        got, want = fn(a, 2.0), [torch.tensor([6.0, 8.0]), torch.tensor([2.0])]
+    elif name == "lerp":
+        got, want = fn(a, b, 0.5), [torch.tensor([2.0, 2.5]), torch.tensor([1.5])]
+    else:  # in place
+        got = [t.clone() for t in a]
+        args = {"mul_": (got, 3.0), "add_": (got, b), "lerp_": (got, b, 0.5), "copy_": (got, b)}[name]
+        fn(*args)  # in place: `got` holds the result
+        want = {
+            "mul_": [torch.tensor([9.0, 12.0]), torch.tensor([3.0])],
+            "add_": [torch.tensor([4.0, 5.0]), torch.tensor([3.0])],
+            "lerp_": [torch.tensor([2.0, 2.5]), torch.tensor([1.5])],
+            "copy_": b,
+        }[name]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, msg=lambda m: f"torch._foreach_{name}: {m}")
+
+
+@pytest.fixture
+def world_of_one():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_a_dtensor_local_shard_and_its_offset(world_of_one):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(12.0).reshape(4, 3)
+    dt = distribute_tensor(full, world_of_one, [Shard(0)])
+    local = compat.local_tensor(dt)
+    assert type(local) is torch.Tensor, "DTensor._local_tensor is no longer the local torch.Tensor"
+    assert local.data_ptr() == dt.to_local().data_ptr(), (
+        "DTensor._local_tensor no longer shares to_local()'s storage"
+    )
+    assert compat.local_tensor(full) is full
+    assert compat.local_shape_and_offset(dt) == ((4, 3), (0, 0)), (
+        "torch.distributed.tensor._utils.compute_local_shape_and_global_offset changed"
+    )
+
+
+@pytest.mark.parametrize("entry", compat.MESH_CACHES, ids=lambda e: f"{e[0]}.{e[1]}")
+def test_each_dtensor_mesh_cache_can_be_emptied(entry):
+    module, path, method = entry
+    try:
+        clear = compat.mesh_cache_clearer(module, path, method)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"{module}.{path}{'.' + method if method else ''} is gone from this torch ({e})")
+    assert callable(clear), f"{module}.{path}{'.' + method if method else ''} is not callable"
+    clear()
+
+
+def test_adamw_hands_its_group_lists_before_stepping():
+    expected = [
+        "group",
+        "params_with_grad",
+        "grads",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "max_exp_avg_sqs",
+        "state_steps",
+    ]
+    params = list(inspect.signature(torch.optim.AdamW._init_group).parameters)[1:]
+    assert params == expected, f"torch.optim.AdamW._init_group's parameters changed: {params}"
+    seen = []
+
+    class Recording(compat.AdamWWithGroupLists):
+        def group_lists(self, group, lists):
+            seen.append([list(x) for x in lists])
+            lists[0][:] = [p * 0 + p for p in lists[0]]  # a list torch steps is one this hook may replace
+
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.full((3,), 0.5)
+    Recording([w], lr=0.1).step()
+    assert len(seen) == 1 and len(seen[0]) == 6, "torch.optim.AdamW._init_group no longer fills 6 lists"
+    assert seen[0][0][0] is w and seen[0][1][0] is w.grad, (
+        "AdamW._init_group's first lists are not params, grads"
+    )
+
+
+def test_dcp_metadata_path_names_the_metadata_file(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = compat.dcp_metadata_path(FileSystemReader(tmp_path))
+    assert Path(path) == tmp_path / ".metadata", f"FileSystemReader._get_metadata_path gives {path}"
 
 
 def test_torch_dynamo_exc_torch_dynamo_exception_is_what_a_failed_compile_raises():

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from muonrun.compat import dcp_metadata_path
 from muonrun.errors import UserError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -78,7 +79,7 @@ class SafeReader(dcp.FileSystemReader):
         return error
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        path = Path(dcp_metadata_path(self, kwargs.get("rank")))
         if kwargs.get("rank") is not None and not path.exists():
             raise FileNotFoundError(path)  # DCP probes for optional per-rank metadata: not ours to report
         try:

@@ -1,52 +1,126 @@
-"""Stop requests: SIGTERM / SIGUSR1 (a scheduler's preemption) and Ctrl-C, turned into a flag that the
-ranks agree on after a step, save at that step and stop cleanly.
+"""Stop requests: SIGTERM / SIGUSR1 (a scheduler's preemption), SIGHUP (a closed terminal, a dropped ssh
+connection) and Ctrl-C, turned into a flag that the ranks agree on after a step, save at that step and
+stop cleanly. SIGQUIT stops at once, without saving.
 
-A handler only sets the flag: saving inside it could interrupt a collective. A second Ctrl-C stops at
-once (KeyboardInterrupt, reported in one line by the CLI), losing the steps since the last checkpoint.
-In a multi-worker job the launcher handles Ctrl-C for its workers (muonrun/launch/launcher.py), which ignore it.
+A handler only sets the flag: saving inside it could interrupt a collective, and a step in flight
+finishes first (the save comes after it, however long it takes). A second Ctrl-C stops at once
+(KeyboardInterrupt, reported in one line by the CLI), losing the steps since the last checkpoint.
+In a multi-worker job the launcher handles Ctrl-C and SIGQUIT for its workers (muonrun/launch/), which
+ignore them; a signal its shell or the user sets to ignored (`nohup` ignores SIGHUP) stays ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import stat
 
-from muonrun import log
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+# What a terminal sends: ignored when inherited ignored (nohup, a script's background job, or a worker,
+# whose launcher handles Ctrl-C and SIGQUIT). A scheduler's SIGTERM and SIGUSR1 always count.
+TERMINAL_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+LAUNCHER_PID_ENV = "MUONRUN_LAUNCHER_PID"  # the launcher's pid, in its workers' environment
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+_requested: int | None = None  # the last stop request of this process (and one from before its StopFlag)
+
+
+class Quit(KeyboardInterrupt):
+    """SIGQUIT: stop at once, without saving (the CLI says so and exits 131, as a shell reports it)."""
+
+    signal_name = "SIGQUIT"
+    exit_code = 128 + signal.SIGQUIT
+
+
+def detach_from_terminal() -> None:
+    """After SIGHUP: point stdout and stderr that go to a terminal at /dev/null. A hung-up terminal
+    fails every write (EIO), which would turn the save that SIGHUP asks for into a crash; output that
+    goes to a file or a pipe (a cluster's log) is kept."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        null_dev = os.fstat(null).st_rdev
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                st = os.fstat(fd)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev != null_dev:
+                    os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _in_charge() -> bool:
+    """Whether this process speaks for itself about stop requests: no muonrun launcher above it (the
+    single in-process worker, or a script under plain torchrun). Under the launcher, it speaks."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    return launcher is None or launcher == str(os.getpid())
+
+
+def _say(message: str) -> None:
+    from muonrun import log
+
+    log.info(message)
+
+
+def requested() -> bool:
+    """Whether this process got a stop request (MUONRUN_FAULT=hang@STEP waits for one)."""
+    return _requested is not None
+
+
+def _record_early(signum, frame) -> None:
+    global _requested
+    if signum == signal.SIGHUP:
+        detach_from_terminal()
+    _requested = signum
+
+
+def record_early() -> None:
+    """Record stop requests from now on, before the trainer's StopFlag exists (a worker's start-up:
+    imports, model build, checkpoint load): the StopFlag starts with the request, so the run saves after
+    its first step and stops, instead of dying of a signal it had no handler for yet."""
+    for sig in STOP_SIGNALS:
+        if sig != signal.SIGINT and not (sig in TERMINAL_SIGNALS and signal.getsignal(sig) is signal.SIG_IGN):
+            with contextlib.suppress(ValueError):
+                signal.signal(sig, _record_early)
 
 
 class StopFlag:
     """Signal handlers that record a stop request. Previous handlers come back on `restore()`."""
 
     def __init__(self):
-        self.raised: int | None = None
+        self.raised: int | None = _requested
         self._previous = {}
-        for sig in STOP_SIGNALS:
-            if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
-                continue  # a worker of a multi-worker job: its launcher turns Ctrl-C into SIGTERM
+        for sig in (*STOP_SIGNALS, signal.SIGQUIT):
+            if sig in TERMINAL_SIGNALS and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # a worker's Ctrl-C and SIGQUIT (its launcher handles them), or nohup's SIGHUP
             # ValueError outside the main thread (an embedding application): no stop requests there.
             with contextlib.suppress(ValueError):
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
+        if signum == signal.SIGQUIT:
+            _say("got SIGQUIT: stopping now, without saving; a rerun resumes from the last checkpoint.")
+            raise Quit
         if signum == signal.SIGINT:
             if self.raised == signal.SIGINT:
                 raise KeyboardInterrupt
-            log.warning(
-                "Ctrl-C: saving a checkpoint after this step, then stopping "
+            print(flush=True)  # past the ^C the terminal echoed
+            _say(
+                "Ctrl-C: saving a checkpoint within two steps, then stopping "
                 "(Ctrl-C again stops at once, without saving)."
             )
-        elif self.raised is None:
-            # A step can take minutes: say at once that the request was heard and what happens next
-            # (muonrun.log's handler lock is re-entrant, so interrupting a logging call is safe).
-            log.warning(
-                f"{signal.Signals(signum).name} received: the step in progress finishes, then a "
-                "checkpoint is saved and training stops."
+        elif self.raised is None and _in_charge():
+            _say(
+                f"got {signal.Signals(signum).name}: saving a checkpoint within two steps (once the ranks agree "
+                "on one), then stopping."
             )
-        self.raised = signum
+        global _requested
+        self.raised = _requested = signum
 
     def restore(self) -> None:
+        global _requested
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        _requested = None

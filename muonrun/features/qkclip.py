@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from muonrun import compat
 from muonrun.config import Config
 from muonrun.distributed import all_reduce_max, local_tensor
 from muonrun.errors import UserError
@@ -120,9 +121,7 @@ def local_rows(p: Tensor) -> range:
     """The global rows of `p` (a Shard(0) DTensor or a plain tensor) that this rank holds."""
     if not isinstance(p, DTensor):
         return range(p.shape[0])
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    shape, offset = compat.local_shape_and_offset(p)
     assert tuple(shape) == tuple(local_tensor(p).shape), (shape, local_tensor(p).shape)
     return range(offset[0], offset[0] + shape[0])
 
@@ -221,10 +220,10 @@ class QKClip:
             (self.k, k_scale, self.k_index, self.k_sizes),
         ):
             rows = scale.flatten()[index].split(sizes)
-            torch._foreach_mul_([local_tensor(w) for w, _ in params], [r.unsqueeze(1) for r in rows])
+            compat.foreach_mul_([local_tensor(w) for w, _ in params], [r.unsqueeze(1) for r in rows])
             biases = [(local_tensor(b), r) for (_, b), r in zip(params, rows, strict=True) if b is not None]
             if biases:
-                torch._foreach_mul_([b for b, _ in biases], [r for _, r in biases])
+                compat.foreach_mul_([b for b, _ in biases], [r for _, r in biases])
 
     def telemetry(self) -> dict[str, Tensor]:
         """This logging window's values (0-d device tensors, per rank: reduce them with MAX), then a new

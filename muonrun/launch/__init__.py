@@ -1,1 +1,3 @@
-"""Starting the workers: torchrun's elastic agent or one in-process worker, SLURM values, worker reports."""
+"""Starting the workers: torchrun's public API or one in-process worker (launcher), the workers' side
+(worker), the launcher's signals, reports and restarts (supervise), the run folder's lock (lock), SLURM
+values (slurm)."""

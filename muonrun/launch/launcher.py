@@ -1,28 +1,34 @@
-"""Start the workers: one in-process worker, or torch.distributed.run's elastic agent (in-process API).
+"""Start the workers: one in-process worker, or torch's elastic agent through torchrun's public API
+(`elastic_launch` with a `LaunchConfig`), single- and multi-node.
 
-The config travels to each worker as resolved YAML. A worker that finds a user mistake (exit code 2)
-or a non-finite step (3) leaves its one-paragraph message in the launcher's error folder, and the
-launcher exits with that code and prints the message once; anything else is a crash (exit code 1).
+Node 0 holds the run folder's lock for the whole launch (muonrun/launch/lock.py). The config travels to
+each worker as resolved YAML; the workers die with their launcher, leave Ctrl-C to it and report a user
+mistake (exit code 2) or a non-finite step (3) instead of raising it (muonrun/launch/worker.py); the
+launcher forwards stop signals, stops the workers on a report and says which rank failed before a
+restart (muonrun/launch/supervise.py). Anything else a worker raises is a crash (exit code 1).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import errno
+import gc
 import os
-import sys
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from muonrun import log
+from muonrun.checkpoint.stop import LAUNCHER_PID_ENV
 from muonrun.config import Config, to_yaml
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
+from muonrun.launch.lock import RunLock
+from muonrun.launch.supervise import Supervisor, WorkersReported, quiet_leak_warnings
+from muonrun.launch.worker import CONTROL_ENV, NON_FINITE_EXIT, REPORTS, USER_ERROR_EXIT, worker_entry
 
-USER_ERROR_EXIT = 2
-NON_FINITE_EXIT = 3
-ERROR_DIR_ENV = "MUONRUN_ERROR_DIR"  # where workers report a user mistake or a non-finite step
-REPORTS = "exit*-rank*.txt"  # a report's name: the exit code it calls for and the reporting rank
+CONTROL_DIR = ".muonrun"  # in output_dir: one control folder per node while a launch runs
 
 
 @dataclass
@@ -73,12 +79,13 @@ def make_plan(cfg: Config) -> LaunchPlan:
         cfg, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
     )
     if plan.nnodes > 1 and shard % plan.nproc_per_node and plan.nproc_per_node % shard:
-        print(
-            f"muonrun: WARNING: parallel.dp_shard={shard} with {plan.nproc_per_node} workers per node: shard "
-            "groups (consecutive ranks) straddle node boundaries unevenly; for HSDP shard within a node "
-            f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1).",
-            file=sys.stderr,
+        log.warning(
+            f"parallel.dp_shard={shard} with {plan.nproc_per_node} workers per node: shard groups (consecutive "
+            "ranks) straddle node boundaries unevenly; for HSDP shard within a node "
+            f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1)."
         )
+    if plan.rdzv_endpoint and plan.node_rank == 0 and not plan.in_process:
+        check_endpoint_free(plan.rdzv_endpoint)
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and _has_cuda()):
         import torch
 
@@ -96,20 +103,28 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def check_output_dir(out: Path) -> None:
-    """output_dir must be a folder this node can create and write (checkpoints, metrics, logs)."""
+def _unwritable(out: Path, e: OSError) -> UserError:
+    return UserError(
+        f"output_dir '{out}' cannot be written ({e.strerror or type(e).__name__}"
+        f"{': ' + e.filename if e.filename and str(e.filename) != str(out) else ''}); set output_dir to a "
+        "folder you can write, on a filesystem every node shares."
+    )
+
+
+def claim_output_dir(out: Path, node_rank: int) -> RunLock | contextlib.nullcontext:
+    """output_dir must be a folder this node can create and write (checkpoints, metrics, logs). Node 0
+    takes the run folder's lock (muonrun/launch/lock.py) before anything in it is touched and holds it
+    until the `with` on the returned lock ends; the other nodes only check that they can write."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir '{out}' is a file, not a folder; set output_dir to a folder path.")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".muonrun-write-check-"):
-            pass
+        if node_rank != 0:
+            with tempfile.NamedTemporaryFile(dir=out, prefix=".muonrun-write-check-"):
+                pass
     except OSError as e:
-        raise UserError(
-            f"output_dir '{out}' cannot be written ({e.strerror or type(e).__name__}"
-            f"{': ' + e.filename if e.filename and str(e.filename) != str(out) else ''}); set output_dir to a "
-            "folder you can write, on a filesystem every node shares."
-        ) from None
+        raise _unwritable(out, e) from None
+    return RunLock(out).acquire() if node_rank == 0 else contextlib.nullcontext()
 
 
 def launch(cfg: Config) -> int:
@@ -119,10 +134,11 @@ def launch(cfg: Config) -> int:
     from muonrun.distributed import check_device, pick_device_type
     from muonrun.features import enabled
     from muonrun.model.build import check_model
-    from muonrun.train.trainer import run_worker
 
     check_device(cfg)
     plan = make_plan(cfg)
+    if not plan.in_process:
+        quiet_leak_warnings()  # before anything can start the resource tracker
     features = enabled(cfg)
     device_type = pick_device_type(cfg)
     for feature in features:
@@ -132,142 +148,64 @@ def launch(cfg: Config) -> int:
     config_yaml = to_yaml(cfg)
     out = Path(cfg.output_dir)
     check_run_folder(out)  # before anything is created there
-    check_output_dir(out)
+    run_lock = claim_output_dir(out, plan.node_rank)  # node 0: before anything in output_dir is touched
     # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
     # refused at resume leaves the folder's config as it was.
-    os.environ["MUONRUN_LAUNCHER_PID"] = str(os.getpid())  # where MUONRUN_FAULT=term@STEP sends SIGTERM
-    if plan.in_process:
-        from muonrun.distributed import release_process_groups
-        from muonrun.train.trainer import NonFiniteError
-
-        code, mistake = 0, None
-        try:
-            run_worker(config_yaml)
-        except NonFiniteError as e:
-            print(f"muonrun: {e}", file=sys.stderr, flush=True)
-            code = NON_FINITE_EXIT
-        except UserError as e:
-            mistake = e.with_traceback(None)  # its traceback's frames hold the trainer, and so its context's
-            mistake.__context__ = None
-        release_process_groups()
-        if mistake is not None:
-            raise mistake
-        return code
-    return _elastic(plan, config_yaml, out)
+    with run_lock:
+        # the workers' parent (they die with it) and where MUONRUN_FAULT=term@STEP sends SIGTERM
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        if plan.in_process:
+            return _in_process(config_yaml)
+        return _elastic(plan, config_yaml, out)
 
 
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
-_interrupts = 0
+def _in_process(config_yaml: str) -> int:
+    """The single worker, in this process (no process group port, no spawn)."""
+    from muonrun.distributed import release_process_groups
+    from muonrun.train.trainer import NonFiniteError, run_worker
 
-
-def _worker_pids() -> list[int]:
-    """This launcher's worker processes (multiprocessing spawn children; not its resource tracker)."""
-    pids = []
-    for children in Path("/proc/self/task").glob("*/children"):
-        for pid in children.read_text().split():
-            try:
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    pids.append(int(pid))
-            except OSError:
-                pass
-    return pids
-
-
-def _forward_to_workers(signum, frame, quiet: bool = False) -> None:
-    """SIGTERM/SIGUSR1 to the launcher (SLURM preemption, `--signal`, `kill`): pass it on to the workers,
-    which save a checkpoint at the current step and exit 0; the launcher then returns normally."""
-    import signal
-
-    for pid in _worker_pids():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-    if not quiet:
-        name = signal.Signals(signum).name
-        print(f"muonrun: got {name}; the workers save a checkpoint and stop.", file=sys.stderr, flush=True)
-
-
-def _interrupt_workers(signum, frame) -> None:
-    """Ctrl-C (which the workers ignore: they get it only through here, once). The first asks the
-    workers to save a checkpoint at the current step and stop, as SIGTERM does; the second kills them."""
-    import signal
-
-    global _interrupts
-    _interrupts += 1
-    if _interrupts == 1:
-        print(
-            "\nmuonrun: Ctrl-C: the workers save a checkpoint after this step, then stop "
-            "(Ctrl-C again stops at once, without saving).",
-            file=sys.stderr,
-            flush=True,
-        )
-        _forward_to_workers(signal.SIGTERM, frame, quiet=True)
-        return
-    _forward_to_workers(signal.SIGKILL, frame, quiet=True)
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _reporting_restarts(output_dir: Path, error_dir: Path):
-    """While the elastic agent runs: before it restarts the workers (--max-restarts), say which rank
-    failed, how, and which checkpoint the restart resumes from. (The agent's own log says it only at
-    INFO level, without the reason, and muonrun silences the agent's logging.)
-
-    A failure a worker reported (a user mistake, a non-finite step) is not restarted: resuming is exact,
-    so the restart would meet it again at the same step."""
-    from torch.distributed.elastic.agent.server.api import WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    from muonrun.checkpoint import complete_checkpoints
-
-    monitor, restart = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers
-
-    def monitored(agent, group):
-        agent._muonrun_last = result = monitor(agent, group)
-        if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY} and any(error_dir.glob(REPORTS)):
-            agent._remaining_restarts = 0  # the agent then stops the workers and the job fails
-        return result
-
-    def restarting(agent, group):
-        result = getattr(agent, "_muonrun_last", None)
-        failures = getattr(result, "failures", None) or {}
-        if failures:
-            rank, failure = min(failures.items())
-            how = (
-                f"killed by {failure.signal_name()}"
-                if failure.exitcode < 0
-                else f"exit code {failure.exitcode}"
-            )
-            message = (
-                failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-            )
-            reason = " ".join(str(message).split())[:300]
-            what = f"worker rank {rank} failed ({how}{': ' + reason if reason and 'Signal' not in reason else ''})"
-        else:
-            what = "a worker of another node failed"
-        found = complete_checkpoints(output_dir / "checkpoints")
-        resume = f"from {found[-1]}" if found else "from the start (no checkpoint yet)"
-        used = group.spec.max_restarts - agent._remaining_restarts
-        print(
-            f"muonrun: {what}; restarting the workers (restart {used} of {group.spec.max_restarts}), resuming {resume}.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return restart(agent, group)
-
-    LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers = monitored, restarting
+    code, mistake = 0, None
     try:
-        yield
-    finally:
-        LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers = monitor, restart
+        run_worker(config_yaml)
+    except NonFiniteError as e:
+        log.error(str(e))
+        code = NON_FINITE_EXIT
+    except UserError as e:
+        mistake = e.with_traceback(None)  # its traceback's frames hold the trainer, and so its context's
+        mistake.__context__ = None
+    release_process_groups()
+    if mistake is not None:
+        raise mistake
+    return code
+
+
+# torch's agent turns the signals named here into an immediate stop of the workers (SignalException).
+# muonrun handles the stop signals itself (muonrun/launch/supervise.py: the workers save on them), so the
+# agent keeps only SIGXCPU, a CPU-time limit, where no time is left to save.
+TORCH_HANDLES = "SIGXCPU"
 
 
 def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
+    import logging
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from muonrun.distributed import free_port
 
     endpoint = plan.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    # This node's control folder: worker registrations and reports, torch's per-worker error files.
+    # Inside the run folder (nothing of a launch is left elsewhere), removed when the launch ends.
+    control = output_dir / CONTROL_DIR / f"node-{plan.node_rank}"
+    stale = [control]
+    if plan.node_rank == 0:  # and those of nodes a killed launch with more nodes left
+        numbered = [(p, p.name.removeprefix("node-")) for p in (output_dir / CONTROL_DIR).glob("node-*")]
+        stale += [p for p, n in numbered if n.isdigit() and int(n) >= plan.nnodes]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    control.mkdir(parents=True)
     lc = LaunchConfig(
         min_nodes=plan.nnodes,
         max_nodes=plan.nnodes,
@@ -284,20 +222,13 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
         local_addr=plan.local_addr,
         start_method="spawn",
         monitor_interval=0.5,
+        logs_specs=DefaultLogsSpecs(log_dir=str(control / "torchelastic")),
+        signals_to_handle=TORCH_HANDLES,
     )
-    # torch.distributed.run's agent turns SIGTERM into an exception that SIGTERMs the workers and
-    # SIGKILLs them 30 s later (and it leaves SIGUSR1 at its default: death). Keep SIGTERM and SIGUSR1
-    # away from it and forward them instead, so the workers' checkpoint save can take as long as it needs.
-    if hasattr(lc, "signals_to_handle"):
-        lc.signals_to_handle = "SIGHUP,SIGQUIT"
-    import signal
-
-    global _interrupts
-    _interrupts = 0
-    previous = {name: signal.signal(getattr(signal, name), _forward_to_workers) for name in STOP_SIGNALS}
-    previous["SIGINT"] = signal.signal(signal.SIGINT, _interrupt_workers)
-    # The agent logs each worker failure with its own traceback; muonrun reports failures itself below.
+    # The agent logs each worker failure with its own traceback, and each worker it stops; muonrun reports
+    # failures itself below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
     if plan.max_restarts:
         # By default the agents share one worker store across restarts, still holding the dead workers'
@@ -307,43 +238,122 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if plan.nnodes > 1:
         _announce_node(plan, endpoint)
-    error_dir = tempfile.TemporaryDirectory(prefix="muonrun-errors-")
-    os.environ[ERROR_DIR_ENV] = error_dir.name  # the spawned workers inherit it
+    os.environ[CONTROL_ENV] = str(control)  # the spawned workers inherit it
+    # What torch's multiprocessing leaves in the temporary folder of the launcher's process (a stopped
+    # worker's error file) goes into the control folder too.
+    (control / "tmp").mkdir()
+    tmp, tempfile.tempdir = tempfile.tempdir, str(control / "tmp")
     try:
-        with _reporting_restarts(output_dir, Path(error_dir.name)):
+        with Supervisor(control, output_dir, plan.max_restarts):
             elastic_launch(lc, worker_entry)(config_yaml)
+        code = 0
+    except WorkersReported:
+        code = report_worker_errors(control / "reports") or 1
     except ChildFailedError as e:
-        reported = report_worker_errors(Path(error_dir.name))
-        if reported is not None:
-            return reported
-        rank, failure = e.get_first_failure()
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        print(
-            f"muonrun: worker rank {rank} failed (exit code {failure.exitcode}).\n{message}", file=sys.stderr
+        code = report_worker_errors(control / "reports") or _report_failure(e)
+    except SignalException as e:
+        log.error(f"got {e.sigval.name}: the workers were stopped without saving.")
+        code = 128 + int(e.sigval)
+    except RendezvousError as e:
+        log.error(
+            f"the rendezvous '{plan.rdzv_id}' at {endpoint} ended ({type(e).__name__}: {e}); another node "
+            "stopped the job or never joined: see its output."
         )
-        return 1
+        code = 1
+    except KeyboardInterrupt as e:  # a second Ctrl-C, or SIGQUIT (Quit): the workers are stopped already
+        code, stopped = None, type(e)
     finally:
-        for name, handler in previous.items():
-            signal.signal(getattr(signal, name), handler)
-        os.environ.pop(ERROR_DIR_ENV, None)
-        error_dir.cleanup()
-    return 0
+        tempfile.tempdir = tmp
+        os.environ.pop(CONTROL_ENV, None)
+        shutil.rmtree(control, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            control.parent.rmdir()  # when no other node's folder is left in it
+    # An exception that stopped the agent kept it, and the queues and semaphores of the workers it
+    # started, alive in its traceback's frames: free them while the interpreter is whole, or the
+    # resource tracker warns of leaked semaphores at exit.
+    gc.collect()
+    if code is None:
+        raise stopped
+    return code
+
+
+def _report_failure(e) -> int:
+    """A worker crashed (nothing reported): one paragraph on the first failure, exit code 1."""
+    rank, failure = e.get_first_failure()
+    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    log.error(f"worker rank {rank} failed ({how}).\n{message}".rstrip())
+    return 1
 
 
 def report_worker_errors(folder: Path) -> int | None:
     """After a failed job: print the user mistakes and non-finite steps the workers reported (each
     distinct message once) and return the exit code they call for; None if no worker reported one.
 
-    The reports decide, not the workers' exit statuses: the other ranks may have crashed in a collective
-    with the reporting one, and a reporting worker can still die after its report (a C++ thread aborting
-    in interpreter teardown turns its exit code 3 into -6)."""
+    The reports decide, not the workers' exit statuses: the launcher stops every worker once one
+    reports (the others die of its SIGKILL)."""
     reports = sorted(folder.glob(REPORTS))
     if not reports:
         return None
     for message in dict.fromkeys(p.read_text() for p in reports):
-        print(f"muonrun: {message}", file=sys.stderr, flush=True)
+        log.error(message)
     codes = {int(p.name.removeprefix("exit").split("-")[0]) for p in reports}
     return USER_ERROR_EXIT if USER_ERROR_EXIT in codes else NON_FINITE_EXIT
+
+
+def split_endpoint(endpoint: str, default_port: int = 29500) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets: [::1]:29500) as (host, port)."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or "]" in port:  # no port, or the colons of a bare IPv6 address
+        host, port = endpoint, ""
+    host = host.strip("[]") or "localhost"
+    try:
+        return host, int(port) if port else default_port
+    except ValueError:
+        raise UserError(
+            f"--rdzv-endpoint '{endpoint}' (launch.rdzv_endpoint) is not HOST:PORT; e.g. node0.cluster:29500."
+        ) from None
+
+
+def check_endpoint_free(endpoint: str) -> None:
+    """On node 0, which hosts the rendezvous: its port must be free, or torch would wait minutes on a
+    program that is not a rendezvous and then fail with pages of C++ frames."""
+    import socket
+
+    _, port = split_endpoint(endpoint)
+    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does
+                s.bind((address, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(
+                    f"--rdzv-endpoint {endpoint} (launch.rdzv_endpoint): port {port} is already in use on this "
+                    "machine, which as node 0 hosts the rendezvous there. Pick a free port (the same on every "
+                    "node), or stop the program that holds it."
+                ) from None
+            if family == socket.AF_INET6:
+                continue  # no IPv6 on this machine
+            raise
+
+
+def names_this_machine(host: str) -> bool:
+    """Whether `host` resolves to an address of this machine (one a socket can bind to)."""
+    import socket
+
+    try:
+        addresses = {(ai[0], ai[4][0]) for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    for family, address in addresses:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((address, 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def _announce_node(plan: LaunchPlan, endpoint: str) -> None:
@@ -351,50 +361,13 @@ def _announce_node(plan: LaunchPlan, endpoint: str) -> None:
     is not the machine the endpoint names: it would host the store where nobody looks for it."""
     import socket
 
-    from torch.distributed.elastic.rendezvous.utils import (
-        _matches_machine_hostname,
-        parse_rendezvous_endpoint,
+    log.info(
+        f"node {plan.node_rank} of {plan.nnodes} ({socket.gethostname()}): {plan.nproc_per_node} workers, "
+        f"rendezvous '{plan.rdzv_id}' at {endpoint}{' (hosted here)' if plan.node_rank == 0 else ''}"
     )
-
-    print(
-        f"muonrun: node {plan.node_rank} of {plan.nnodes} ({socket.gethostname()}): {plan.nproc_per_node} workers, "
-        f"rendezvous '{plan.rdzv_id}' at {endpoint}{' (hosted here)' if plan.node_rank == 0 else ''}",
-        file=sys.stderr,
-        flush=True,
-    )
-    host, _ = parse_rendezvous_endpoint(endpoint, default_port=29500)
-    if plan.node_rank == 0 and not _matches_machine_hostname(host):
-        print(
-            f"muonrun: WARNING: this is node 0, which hosts the rendezvous, but the endpoint host '{host}' does "
-            "not look like this machine; the other nodes will look for it there. Point --rdzv-endpoint at node 0.",
-            file=sys.stderr,
-            flush=True,
+    host, _ = split_endpoint(endpoint)
+    if plan.node_rank == 0 and not names_this_machine(host):
+        log.warning(
+            f"this is node 0, which hosts the rendezvous, but the endpoint host '{host}' does not look like "
+            "this machine; the other nodes will look for it there. Point --rdzv-endpoint at node 0."
         )
-
-
-def worker_entry(config_yaml: str) -> None:
-    """What each spawned worker runs: a user mistake exits 2 with one paragraph, anything else raises."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers through the launcher only
-
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from muonrun.distributed import release_process_groups
-    from muonrun.train.trainer import NonFiniteError, run_worker
-
-    code = 0
-    try:
-        record(run_worker)(config_yaml)
-    except (UserError, NonFiniteError) as e:
-        # The launcher prints it (once, whichever ranks found it); without a launcher, rank 0 does.
-        code = USER_ERROR_EXIT if isinstance(e, UserError) else NON_FINITE_EXIT
-        folder = os.environ.get(ERROR_DIR_ENV)
-        if folder:
-            (Path(folder) / f"exit{code}-rank{os.environ.get('RANK', '0')}.txt").write_text(str(e))
-        elif os.environ.get("RANK", "0") == "0":
-            print(f"muonrun: {e}", file=sys.stderr, flush=True)
-    # Outside the except block: the error's traceback (and the trainer its frames hold) is gone by now.
-    release_process_groups()
-    if code:
-        sys.exit(code)

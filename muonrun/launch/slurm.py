@@ -23,9 +23,9 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Mapping
 
+from muonrun import log
 from muonrun.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -109,11 +109,9 @@ def launch_defaults(env: Mapping[str, str] | None = None) -> dict[str, object]:
     if not in_job_step(env):
         nodes = _first(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
         if env.get("SLURM_JOB_ID") and nodes and int(nodes) > 1:
-            print(
-                f"muonrun: WARNING: this is a {nodes}-node SLURM job but not an srun step: running on this "
-                "node only. Start one launcher per node with `srun --ntasks-per-node=1 muonrun pretrain ...`.",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                f"this is a {nodes}-node SLURM job but not an srun step: running on this node only. Start one "
+                "launcher per node with `srun --ntasks-per-node=1 muonrun pretrain ...`."
             )
         return {}
     nnodes = int(_first(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1)

@@ -64,7 +64,8 @@ def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist, features: l
     shard (safe_open + get_slice on the memory-mapped file), never a full copy of the model."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from muonrun.compat import local_shape_and_offset
 
     files = _hf_weight_files(name_or_path, d)
     # Tied weights appear once, under the input embedding's name; a feature's own parameters (LoRA's
@@ -90,9 +91,7 @@ def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist, features: l
             )
         if isinstance(param, DTensor):
             local = param.to_local()
-            shape, offset = compute_local_shape_and_global_offset(
-                param.shape, param.device_mesh, param.placements
-            )
+            shape, offset = local_shape_and_offset(param)
         else:
             local, shape, offset = param, tuple(param.shape), (0,) * param.ndim
         if local.numel() == 0:

@@ -18,11 +18,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from muonrun import compat
 from muonrun.distributed import local_tensor
 from muonrun.optim.telemetry import Sums, reduce_group, sum_of_squares
 
 
-class AdamW(torch.optim.AdamW):
+class AdamW(compat.AdamWWithGroupLists):
     """`torch.optim.AdamW` whose step runs on the local shards of DTensor parameters (plain tensors
     pass through). Each gradient must be laid out like its parameter, as FSDP2's are.
 
@@ -58,7 +59,7 @@ class AdamW(torch.optim.AdamW):
             by_group.setdefault(id(group), (group, []))[1].append(i)
         for group, idx in by_group.values():
             now = [local_tensor(stepped[i]) for i in idx]
-            sums.add(group, "update", sum_of_squares(torch._foreach_sub(now, [before[i] for i in idx])))
+            sums.add(group, "update", sum_of_squares(compat.foreach_sub(now, [before[i] for i in idx])))
             exp_avg = [local_tensor(self.state[stepped[i]]["exp_avg"]) for i in idx]
             sums.add(group, "momentum", sum_of_squares(exp_avg))
         total = sums.total()
@@ -69,10 +70,9 @@ class AdamW(torch.optim.AdamW):
         }
         return loss
 
-    def _init_group(self, group: dict, *lists: list[Tensor]):
-        # torch fills (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps) here and
-        # hands them to its functional AdamW: swap in the local tensors before it runs.
-        out = super()._init_group(group, *lists)
+    def group_lists(self, group: dict, lists) -> None:
+        # torch filled (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps) and hands
+        # them to its functional AdamW next: swap in the local tensors before it runs.
         params, grads = lists[0], lists[1]
         if id(group) not in self._checked:
             for p, g in zip(params, grads, strict=True):
@@ -88,4 +88,3 @@ class AdamW(torch.optim.AdamW):
             self._checked = self._checked | {id(group)}
         for values in lists:
             values[:] = [local_tensor(t) for t in values]
-        return out

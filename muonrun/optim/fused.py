@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from muonrun import log
+from muonrun import compat, log
 from muonrun.compat import compile_error
 from muonrun.distributed import to_device
 
@@ -40,8 +40,8 @@ def momentum_into(
 ) -> None:
     """``buf = lerp(buf, grad, 1 - momentum)``; ``dst = lerp(grad, buf, momentum)`` (Nesterov) or
     ``buf``, cast to ``dst``'s dtype: torch.optim.Muon's momentum, written into the exchange buffer."""
-    torch._foreach_lerp_(bufs, grads, 1 - momentum)
-    torch._foreach_copy_(dsts, torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs)
+    compat.foreach_lerp_(bufs, grads, 1 - momentum)
+    compat.foreach_copy_(dsts, compat.foreach_lerp(grads, bufs, momentum) if nesterov else bufs)
 
 
 def decay_and_update(
@@ -60,12 +60,12 @@ def decay_and_update(
     for (f, a), idx in runs.items():
         ps, us = [params[i] for i in idx], [updates[i] for i in idx]
         if isinstance(scalars, Tensor):
-            torch._foreach_mul_(ps, scalars[f])
-            torch._foreach_add_(ps, torch._foreach_mul([u.float() for u in us], scalars[a]))
+            compat.foreach_mul_(ps, scalars[f])
+            compat.foreach_add_(ps, compat.foreach_mul([u.float() for u in us], scalars[a]))
             continue
         if scalars[f] != 1.0:
-            torch._foreach_mul_(ps, scalars[f])
-        torch._foreach_add_(ps, us, alpha=scalars[a])
+            compat.foreach_mul_(ps, scalars[f])
+        compat.foreach_add_(ps, us, alpha=scalars[a])
 
 
 def _fresh(fn: Callable) -> Callable:

@@ -127,8 +127,8 @@ def split_params(
     # Which module owns each parameter (first owner wins, like named_parameters' deduplication).
     owner: dict[int, nn.Module] = {}
     for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None and id(p) not in owner:
+        for p in module.parameters(recurse=False):
+            if id(p) not in owner:
                 owner[id(p)] = module
     embedding_ids = {
         id(m.weight)

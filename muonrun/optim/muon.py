@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muonrun import compat
 from muonrun.distributed import local_tensor
 from muonrun.optim.experts import check_stacked, expert_rows_like, step_stacked
 from muonrun.optim.fused import Passes
@@ -354,7 +355,7 @@ class Muon(torch.optim.Optimizer):
                 self._sums.add(part.shard.group, "momentum", sum_of_squares(bufs))
         if part.ns.normuon:  # type: ignore[attr-defined]
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
-            torch._foreach_copy_([it.state_view(send) for it in bucket.items], vs)
+            compat.foreach_copy_([it.state_view(send) for it in bucket.items], vs)
         for lo, hi in bucket.padding:
             send[lo:hi].zero_()
         return send
@@ -422,9 +423,9 @@ class Muon(torch.optim.Optimizer):
             deltas = []
             for gi, rows, cols, items in bucket.by_update:
                 s = settings[gi]
-                d = torch._foreach_mul([local_tensor(it.param) for it in items], -s.lr * s.weight_decay)
+                d = compat.foreach_mul([local_tensor(it.param) for it in items], -s.lr * s.weight_decay)
                 alpha = -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
-                torch._foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
+                compat.foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
                 deltas += d
             self._sums.add(part.shard.group, "update", sum_of_squares(deltas))
         runs = []  # per (group, shape): params, updates, decay factor, update scale
@@ -435,7 +436,7 @@ class Muon(torch.optim.Optimizer):
         self._passes.decay_and_update((id(bucket),), runs)
         if part.ns.normuon:  # type: ignore[attr-defined]
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
-            torch._foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
+            compat.foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
 
     def _step_partition(self, part: Partition, settings: Sequence[StepSettings]) -> None:
         """All buckets of one partition: exchange, orthogonalise and apply, pipelined."""

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muonrun import compat
+
 try:  # torch built without distributed support
     from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # pragma: no cover
@@ -23,7 +25,7 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor | None:
     """Sum of the squares of every element of ``tensors`` (0-d fp32, one foreach kernel), or None."""
     if not tensors:
         return None
-    return torch.stack(torch._foreach_norm(list(tensors))).float().square().sum()
+    return torch.stack(compat.foreach_norm(list(tensors))).float().square().sum()
 
 
 def reduce_group(p: Tensor):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from muonrun import compat
 from muonrun.distributed import local_tensor
 
 
@@ -41,12 +42,12 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
     local = [local_tensor(g) for g in grads]
-    squares = torch.stack(torch._foreach_norm(local)).float().square().sum()
+    squares = torch.stack(compat.foreach_norm(local)).float().square().sum()
     for dim, placement in enumerate(placements):
         if placement.is_shard() and mesh.size(dim) > 1:
             dist.all_reduce(squares, group=mesh.get_group(dim))
     norm = squares.sqrt()
     if not math.isinf(max_norm):
         # torch's formula: the 1e-6 keeps a zero norm finite, the clamp never scales up
-        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        compat.foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm

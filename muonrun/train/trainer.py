@@ -267,7 +267,8 @@ class Trainer:
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
                 step = self.state.step
-                faults.after_step(step, self.dist.rank)  # MUONRUN_FAULT=kill@STEP / term@STEP
+                # MUONRUN_FAULT=kill@STEP / term@STEP / hang@STEP (until a stop request)
+                faults.after_step(step, self.dist.rank, lambda: self.checkpointer.flag.raised is not None)
                 profiler.step()
                 last, log = step == cfg.train.max_steps, self.logs(step)
                 self.metrics.record(

@@ -1,0 +1,203 @@
+"""The launcher's side while torch's elastic agent runs the workers (in this process's main thread):
+signals, reports, and the restart message. Public API only: torch's agent is started by
+`elastic_launch` and never patched.
+
+- SIGTERM, SIGUSR1 (a scheduler's preemption) and SIGHUP (a closed terminal) are passed on to the
+  workers, which save a checkpoint within two steps and exit 0. Ctrl-C: the first does the
+  same, the second stops at once. SIGQUIT stops at once, without saving. The workers are this
+  process's children (`multiprocessing.active_children()`), since the agent runs in this process.
+- A worker that reports a user mistake or a non-finite step (muonrun/launch/worker.py) sends SIGUSR2:
+  the handler stops every worker and raises `WorkersReported` out of the agent, which shuts down
+  without restarting them.
+- Restarts (`--max-restarts`): a thread per worker waits for it to exit, without reaping it
+  (`os.waitid(..., WNOWAIT)`; the agent reaps its own children); one that exits with an error is
+  announced: which rank failed, how, and which checkpoint the restart resumes from. The agent's own log says it at INFO level only,
+  without the reason, and muonrun silences the agent's logging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import threading
+from pathlib import Path
+
+from muonrun import log
+from muonrun.checkpoint.stop import TERMINAL_SIGNALS, Quit, detach_from_terminal
+from muonrun.launch.worker import REPORTED, REPORTS
+
+
+class WorkersReported(Exception):  # noqa: N818 (an event, not an error of the launcher's)
+    """A worker reported a user mistake or a non-finite step: the agent must stop, not restart."""
+
+
+LEAK_WARNING_FILTER = "ignore:resource_tracker:UserWarning"
+
+
+def quiet_leak_warnings() -> None:
+    """A worker the launcher stops at once (SIGKILL) leaves the semaphores it made (tqdm's write lock,
+    made by datasets) registered with the resource tracker it shares with the launcher: the tracker
+    unlinks them when the launcher exits, and warns of each. Expected here, so not shown: the filter
+    travels in PYTHONWARNINGS to the tracker (started later, by the first semaphore) and the workers."""
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if LEAK_WARNING_FILTER not in current.split(","):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [current, LEAK_WARNING_FILTER]))
+
+
+def stop_workers_now() -> None:
+    """SIGKILL every worker (the agent's children in this process)."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+
+
+def _forward(signum: int) -> None:
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class Supervisor:
+    """`with Supervisor(control, output_dir, max_restarts): elastic_launch(...)(...)`."""
+
+    def __init__(self, control: Path, output_dir: Path, max_restarts: int):
+        self.control, self.output_dir, self.max_restarts = control, output_dir, max_restarts
+        self.stopping = False  # the launcher stops the workers itself: their exits are not failures
+        self._interrupts = 0
+        self._said: set[int] = set()
+        self._previous: dict[int, object] = {}
+        self._done = threading.Event()
+        self._watch = threading.Thread(target=self._watch_exits, daemon=True, name="muonrun-watch")
+        self._announced: set[int] = set()  # attempts whose failure was announced
+        self._lock = threading.Lock()  # the waiters of one attempt's workers may fire together
+
+    def __enter__(self) -> Supervisor:
+        handlers = {
+            signal.SIGTERM: self._stop_request,
+            signal.SIGUSR1: self._stop_request,
+            signal.SIGHUP: self._stop_request,
+            signal.SIGINT: self._interrupt,
+            signal.SIGQUIT: self._quit,
+            REPORTED: self._reported,
+        }
+        for sig, handler in handlers.items():
+            if sig in TERMINAL_SIGNALS and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # ignored by whoever started muonrun (nohup, a script's `&`): the workers inherit it
+            self._previous[sig] = signal.signal(sig, handler)
+        if hasattr(os, "waitid"):
+            self._watch.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._watch.is_alive():
+            self._watch.join()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    # -- signals (run in the main thread, between the agent's own steps)
+
+    def _stop_request(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
+        if signum not in self._said:
+            self._said.add(signum)
+            log.info(
+                f"got {signal.Signals(signum).name}: the workers save a checkpoint within two steps (the "
+                "ranks agree on one first), then stop."
+            )
+        _forward(signum)
+
+    def _interrupt(self, signum, frame) -> None:
+        """Ctrl-C, which the workers ignore: they get it only through here."""
+        self._interrupts += 1
+        if self._interrupts == 1:
+            print(flush=True)  # past the ^C the terminal echoed
+            log.info(
+                "Ctrl-C: the workers save a checkpoint within two steps, then stop "
+                "(Ctrl-C again stops at once, without saving)."
+            )
+            _forward(signal.SIGTERM)
+            return
+        self._stop_now()
+        raise KeyboardInterrupt
+
+    def _quit(self, signum, frame) -> None:
+        log.info(
+            "got SIGQUIT: stopping the workers now, without saving; a rerun resumes from the last checkpoint."
+        )
+        self._stop_now()
+        raise Quit
+
+    def _reported(self, signum, frame) -> None:
+        if self.stopping:
+            return  # another worker's report, while the first one's is being acted on
+        if not any((self.control / "reports").glob(REPORTS)):  # a worker writes its report first
+            log.warning("got SIGUSR2 from outside the job (its workers use it to report a failure): ignored.")
+            return
+        self._stop_now()
+        raise WorkersReported
+
+    def _stop_now(self) -> None:
+        self.stopping = True
+        stop_workers_now()
+
+    # -- restarts
+
+    def _watch_exits(self) -> None:
+        """Start a waiter for each worker as it registers."""
+        watched: set[int] = set()
+        while not self._done.wait(0.2):
+            with contextlib.suppress(OSError):
+                for path in (self.control / "workers").iterdir():
+                    if path.name.isdigit() and int(path.name) not in watched:
+                        watched.add(int(path.name))
+                        threading.Thread(target=self._wait_for, args=(int(path.name),), daemon=True).start()
+
+    def _wait_for(self, pid: int) -> None:
+        """Block until worker `pid` exits and read how, leaving it for the agent to reap (WNOWAIT). The
+        kernel wakes this waiter the moment the worker exits; the agent looks every monitor interval."""
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # reaped already, or not this process's child
+            return
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        if killed or info.si_status:
+            self._failed(self._entry(pid), info.si_status, killed)
+
+    def _entry(self, pid: int) -> dict:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((self.control / "workers" / str(pid)).read_text())
+        return {}
+
+    def _failed(self, entry: dict, status: int, killed: bool) -> None:
+        """A worker exited with an error: announce the restart the agent makes of it, once per attempt."""
+        from muonrun.checkpoint import complete_checkpoints
+
+        attempt = entry.get("attempt", 0)
+        with self._lock:
+            if self.stopping or any((self.control / "reports").glob(REPORTS)) or attempt in self._announced:
+                return  # the launcher stops the workers itself, or a report ends the job
+            self._announced.add(attempt)
+        if attempt >= self.max_restarts:
+            return  # the agent gives up: the launcher reports the failure when it returns
+        how = f"killed by {_signal_name(status)}" if killed else f"exit code {status}"
+        if entry.get("failure") and not killed:
+            how += f": {entry['failure']}"
+        who = f"worker rank {entry['rank']}" if "rank" in entry else "a worker"
+        found = complete_checkpoints(self.output_dir / "checkpoints")
+        resume = f"from {found[-1]}" if found else "from the start (no checkpoint yet)"
+        log.warning(
+            f"{who} failed ({how}); restarting the workers (restart {attempt + 1} of {self.max_restarts}), "
+            f"resuming {resume}."
+        )
