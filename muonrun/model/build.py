@@ -187,6 +187,18 @@ def _seed_for(name: str, seed: int) -> int:
     return seed * 1_000_003 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")
 
 
+def _model_init(module: nn.Module, p_name: str, shape, std: float, gen, device) -> torch.Tensor:
+    """The model's own rule for a parameter's initial value (see `init_weights`)."""
+    if p_name == "bias" or (len(shape) == 1 and p_name != "weight"):
+        return torch.zeros(shape, device=device)
+    if len(shape) == 1:
+        return torch.ones(shape, device=device)
+    assert (
+        isinstance(module, nn.Linear | nn.Embedding) or is_experts_module(module) or is_router_module(module)
+    ), f"no init rule for {type(module).__name__}.{p_name}"
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+
 @torch.no_grad()
 def init_weights(
     model: nn.Module, std: float, seed: int, device: torch.device, features: list[Feature] = ()
@@ -194,8 +206,9 @@ def init_weights(
     """Initialise every parameter and buffer of a model that was just `to_empty()`-ed.
 
     Each full tensor is drawn from its own generator on `device` and each rank keeps its shard,
-    so the weights are identical at any world size. Linear and embedding weights ~ N(0, std) (and
-    so are an MoE's routers and stacked experts [E, out, in]: every expert's matrix ~ N(0, std)), biases 0, norm (1-D) weights 1; a feature's own parameters (LoRA's A and B) as the feature says.
+    so the weights are identical at any world size. A feature's own parameters (LoRA's A and B) as
+    the feature says; Linear and embedding weights ~ N(0, std) (and so are an MoE's routers and stacked
+    experts [E, out, in]: every expert's matrix ~ N(0, std)), biases 0, norm (1-D) weights 1.
     Buffers (rotary `inv_freq`) are rebuilt from the module's config.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -206,27 +219,15 @@ def init_weights(
             if id(param) in done:
                 continue  # tied weights
             done.add(id(param))
-            full_shape = param.shape
-            if p_name == "bias" or (param.ndim == 1 and p_name != "weight"):
-                full = torch.zeros(full_shape, device=device)
-            elif param.ndim == 1:
-                full = torch.ones(full_shape, device=device)
-            else:
-                gen = torch.Generator(device=device).manual_seed(_seed_for(f"{mod_name}.{p_name}", seed))
-                name = f"{mod_name}.{p_name}"
-                full = next(
-                    (
-                        v
-                        for f in features
-                        if (v := f.init_parameter(name, full_shape, gen, device)) is not None
-                    ),
-                    None,
-                )
-                if full is None:
-                    assert isinstance(module, nn.Linear | nn.Embedding) or (
-                        is_experts_module(module) or is_router_module(module)
-                    ), f"no init rule for {mod_name}.{p_name}"
-                    full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
+            full_shape, name = param.shape, f"{mod_name}.{p_name}"
+            gen = torch.Generator(device=device).manual_seed(_seed_for(name, seed))
+            # A feature's own parameters first (LoRA's A and B), then the model's rules.
+            full = next(
+                (v for f in features if (v := f.init_parameter(name, full_shape, gen, device)) is not None),
+                None,
+            )
+            if full is None:
+                full = _model_init(module, p_name, full_shape, std, gen, device)
             if isinstance(param, DTensor):
                 local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                 param.to_local().copy_(local.to_local())

@@ -58,7 +58,7 @@ the parameter's mesh and placements, so each rank holds its rows' entries), pres
 so ``torch.distributed.checkpoint`` saves and reshards them unchanged.
 
 Step times against AdamW are in docs/performance.md; ``torchrun --nproc-per-node N
-tests/dist/muon_bench.py`` measures them on GPUs, ``benchmarks/bench_muon_cpu.py`` on CPUs.
+tests/dist/muon_bench.py`` measures them on GPUs, ``muonrun bench tiny`` on CPUs.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def ns_dtype_for(name: str, device_type: str) -> torch.dtype:
     and on x86 CPUs with native bf16 dot products (AVX512-BF16, also on AMX CPUs), where it is two to
     three times faster than fp32; fp32 on other CPUs, where bf16 matmuls are emulated and 2.5x
     (AVX-512) to tens of times (AVX2) slower than fp32 (docs/performance.md;
-    ``ATEN_CPU_CAPABILITY=avx2`` makes this say fp32, benchmarks/bench_muon_cpu.py measures both)."""
+    ``ATEN_CPU_CAPABILITY=avx2`` makes this say fp32; docs/performance.md has both speeds)."""
     if name != "auto":
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
     if device_type != "cpu":
