@@ -4,16 +4,16 @@ Muon is for hidden 2-D matrices only (the Linear weights inside the decoder laye
 the LM head are 2-D too but are *not* hidden matrices, so the decision is made by module type and
 name, never by ``ndim`` alone:
 
-- ``muon``: weights of ``nn.Linear`` modules (2-D), except the output projection, a Linear with
-  one output (a scalar gate: there is nothing to orthogonalise) and an MoE router;
+- ``muon``: weights of ``nn.Linear`` modules (2-D), except the output projection, a gate with one
+  output (a Linear named ``gate`` or ``*_gate``: a scalar classifier) and an MoE router;
 - ``embedding``: ``nn.Embedding`` / ``nn.EmbeddingBag`` weights (a tied LM head is the same
   Parameter and is listed here, once; ``ParamSplit.tied_lm_head`` is then True);
 - ``lm_head``: the output projection's weight when it is not tied (found with
   ``model.get_output_embeddings()`` when the model has it, else by the module name ``lm_head``);
 - ``experts``: stacked expert weights of a mixture-of-experts layer (3-D ``[E, out, in]``
   parameters of a ``*Experts`` module): Muon orthogonalises each expert's matrices on its own.
-  The router (a ``*Router`` module's ``[E, H]`` weight) and the shared expert's gate (a Linear with
-  one output) are classifiers and go to ``other`` (AdamW); the shared expert's Linears are hidden
+  The router (a ``*Router`` module's ``[E, H]`` weight) and the shared expert's gate (a one-output
+  Linear named ``shared_expert_gate``) are classifiers and go to ``other`` (AdamW); the shared expert's Linears are hidden
   matrices like any other (``muon``);
 - ``norm_bias``: norm weights, biases and every other parameter with fewer than 2 dims;
 - ``other``: any remaining parameter with 2+ dims that is not a Linear weight (custom
@@ -111,6 +111,13 @@ def _output_embedding_weight(model: nn.Module) -> nn.Parameter | None:
     return None
 
 
+def _scalar_gate(name: str, p: nn.Parameter) -> bool:
+    """A gate with one output (Qwen2-MoE's `shared_expert_gate`): a classifier, not a hidden matrix. By
+    name as well as shape: a LoRA A of rank 1 also has one row, and it is a hidden matrix."""
+    module_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    return p.shape[0] == 1 and (module_name == "gate" or module_name.endswith("_gate"))
+
+
 def split_params(
     model: nn.Module,
     muon_patterns: Iterable[str] | None = None,
@@ -174,7 +181,7 @@ def split_params(
             isinstance(module, nn.Linear)
             and p is module.weight
             and p.ndim == 2
-            and p.shape[0] > 1  # a gate with one output (Qwen2-MoE's shared_expert_gate) is a classifier
+            and not _scalar_gate(name, p)
             and id(p) not in router_ids
             and not forced_adamw
         ):
