@@ -168,10 +168,10 @@ def config_docs() -> None:
 @user_errors
 def prepare(config: PresetArg = "tiny", overrides: OverridesArg = None) -> None:
     """Tokenize and pack the training data once into a cache that `pretrain` reuses."""
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
     from muonrun.data import prepare as prepare_data
 
-    path = prepare_data(to_object(load_config(config, overrides or [])))
+    path = prepare_data(load_config(config, overrides or []))
     print(f"Data cache ready: {path}")
 
 
@@ -222,7 +222,7 @@ def export(
 ) -> None:
     """Write a Hugging Face folder (safetensors, config.json, tokenizer) from a muonrun checkpoint; a LoRA
     run's adapters merged into its base model, or with --adapter-only the adapter alone."""
-    from muonrun.model.hf import export_hf
+    from muonrun.tools.export import export_hf
 
     out = export_hf(checkpoint, out_dir, dtype, adapter_only=adapter_only)
     if adapter_only:
@@ -254,10 +254,6 @@ def checkpoint_verify(
             if not verdict.ok:
                 damaged += 1
                 err_console.print(f"[bold red]damaged[/]     {escape(str(verdict.error()))}")
-            elif not verdict.checked:
-                print(
-                    f"unverified  {checkpoint}: written without checksums (an older muonrun), nothing to compare"
-                )
             else:
                 files = read_meta(checkpoint)["files"]
                 size = sum(f["bytes"] for f in files.values()) / 2**30

@@ -15,6 +15,11 @@ Why each one is here, and not torch's public API:
   through an allow-listing unpickler (muonrun/checkpoint/safe.py).
 - DTensor's caches (`MESH_CACHES`): they keep every DeviceMesh, and through them every process group,
   alive to the end of the process; torch offers no public way to empty them.
+- `torch._dynamo.exc.TorchDynamoException`: what `torch.compile` raises when it cannot compile a
+  function (`BackendCompilerFailed`, `Unsupported`, ... derive from it). Muon's fused passes
+  (muonrun/optim/fused.py) catch it on their first call, before anything ran, to fall back to the
+  eager ops; torch exports no public base class for compile failures, and catching every exception
+  would also swallow a failure that happened after some kernels had run.
 """
 
 from __future__ import annotations
@@ -115,3 +120,13 @@ def dcp_metadata_path(reader, rank: int | None = None):
     """The metadata file a `torch.distributed.checkpoint.FileSystemReader` reads (per rank, or the
     global one)."""
     return reader._get_metadata_path(rank)
+
+
+# -- torch.compile -----------------------------------------------------------------------------------------
+
+
+def compile_error() -> type[Exception]:
+    """The base class of `torch.compile`'s own errors (imported when first needed: it loads dynamo)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return TorchDynamoException

@@ -57,6 +57,28 @@ def pick_device_type(c: Config) -> str:
     return c.train.device
 
 
+def check_device(c: Config) -> None:
+    """Before any worker starts: `train.device=cuda` and `launch.backend=nccl` need a CUDA GPU on this
+    machine (found later they would fail inside every worker with torch's own message)."""
+    cuda = torch.cuda.is_available()
+    why = (
+        f"this torch build ({torch.__version__}) has no CUDA support"
+        if torch.version.cuda is None
+        else "torch finds no CUDA GPU (no device visible, or no driver)"
+    )
+    if c.train.device == "cuda" and not cuda:
+        raise UserError(
+            f"Config key 'train.device' is 'cuda', but {why}. Set train.device=cpu (or auto: the GPUs where "
+            "there are some, else the CPU), or run on a machine with GPUs."
+        )
+    if c.launch.backend == "nccl" and pick_device_type(c) != "cuda":
+        where = why if not cuda else f"train.device is '{c.train.device}'"
+        raise UserError(
+            f"Config key 'launch.backend' is 'nccl', which connects CUDA GPUs only, but this run's workers "
+            f"compute on the CPU ({where}). Set launch.backend=gloo (or auto: nccl on GPUs, gloo on CPUs)."
+        )
+
+
 def init_distributed(c: Config) -> Dist:
     """Initialise the default process group (gloo on CPU, nccl on GPU) and the data-parallel mesh."""
     # Large, differently sized temporaries (loss chunks, Muon's buckets, FSDP2's gather buffers)

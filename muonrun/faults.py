@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
@@ -67,13 +66,14 @@ def corrupt_loss(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return loss * float("nan") if _fires("nan", step, rank) else loss
 
 
-def after_step(step: int, rank: int) -> None:
-    """`kill@STEP`, `term@STEP`, `int@STEP`, `int2@STEP` and `hang@STEP`, checked after step STEP's update."""
+def after_step(step: int, rank: int, stop_requested=lambda: False) -> None:
+    """`kill@STEP`, `term@STEP`, `int@STEP`, `int2@STEP` and `hang@STEP`, checked after step STEP's update.
+    `hang` waits (10 minutes at most) until `stop_requested()`: a step that takes long."""
     if _fires("kill", step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
     if _fires("hang", step, rank):
         deadline = time.monotonic() + 600
-        while not _stop_requested() and time.monotonic() < deadline:
+        while not stop_requested() and time.monotonic() < deadline:
             time.sleep(0.05)
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, os.getpid()))
     if _fires("term", step, rank):
@@ -82,13 +82,6 @@ def after_step(step: int, rank: int) -> None:
         if i:
             time.sleep(1.0)  # a signal sent while the same one is pending is merged into it
         os.kill(launcher, signal.SIGINT)
-
-
-def _stop_requested() -> bool:
-    """Whether this process got a stop request. Read from the module the trainer loaded, not imported:
-    the checkpoint package imports this module."""
-    stop = sys.modules.get("muonrun.checkpoint.stop")
-    return stop is not None and stop.requested()
 
 
 def during_save(step: int, rank: int) -> None:

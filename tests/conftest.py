@@ -42,3 +42,27 @@ def pytest_sessionfinish(session, exitstatus):
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     release_process_groups()
+
+
+@pytest.fixture
+def reseal():
+    """`reseal(checkpoint, name, text)`: replace one file of a checkpoint (None: remove it) and rewrite the
+    manifest to match, as a checkpoint saved that way would be (an older muonrun's without config.yaml,
+    another run's config)."""
+    import json
+
+    from muonrun.checkpoint import META
+    from muonrun.checkpoint.files import hash_files, read_meta, seal
+
+    def rewrite(checkpoint, name: str, text: str | None) -> None:
+        meta = {k: v for k, v in read_meta(checkpoint).items() if k != "manifest_sha256"}
+        path = checkpoint / name
+        if text is None:
+            path.unlink()
+            meta["files"].pop(name)
+        else:
+            path.write_text(text)
+            meta["files"].update(hash_files([path]))
+        (checkpoint / META).write_text(json.dumps(seal(meta), indent=1))
+
+    return rewrite

@@ -12,12 +12,11 @@ import math
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import NORMUON, STEPS, assert_same_losses, losses, ok, pretrain, steps_of, tree
 from typer.testing import CliRunner
 
 from muonrun import faults
@@ -30,70 +29,11 @@ from muonrun.checkpoint import (
     rank_state_file,
     resolve_checkpoint,
 )
+from muonrun.checkpoint.files import seal
 from muonrun.cli import app
 from muonrun.errors import UserError
 
 runner = CliRunner()
-
-STEPS = 8  # 2N: every exact-resume comparison covers steps N+1..2N of an 8-step run
-SMALL = [
-    "data.seq_len=64",
-    "train.micro_batch_size=4",
-    "train.eval_interval=0",
-    "logging.log_interval=1",
-    "logging.console=plain",
-    f"train.max_steps={STEPS}",
-]
-# NorMuon: Muon's optimizer state plus a per-row second moment, so one reference run covers both
-NORMUON = ("optimizer.name=muon", "optimizer.muon.variant=normuon")
-
-
-def muonrun(*args: str, fault: str | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop(faults.ENV, None)
-    if fault:
-        env[faults.ENV] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "muonrun", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def pretrain(out: Path, *overrides: str, nproc: int = 2, fault: str | None = None, extra=()):
-    return muonrun(
-        "pretrain",
-        "tiny",
-        f"output_dir={out}",
-        *SMALL,
-        *overrides,
-        "--nproc-per-node",
-        str(nproc),
-        *extra,
-        fault=fault,
-    )
-
-
-def losses(run: Path) -> dict[int, list[float]]:
-    """Every logged loss by step (a resumed run appends to metrics.jsonl, so a step can repeat)."""
-    out: dict[int, list[float]] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            out.setdefault(row["step"], []).append(row["loss"])
-    return out
-
-
-def steps_of(run: Path) -> list[int]:
-    return [int(p.name.split("-")[1]) for p in complete_checkpoints(run / "checkpoints")]
-
-
-def tree(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
-
-
-def ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout + result.stderr
-
 
 # -- unit tests (no process group) ----------------------------------------------------------------------
 
@@ -112,7 +52,7 @@ def _fake_checkpoint(path: Path, world_size: int = 2, complete: bool = True) -> 
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"x")
     if complete:
-        (path / META).write_text(json.dumps({"step": 1, "world_size": world_size}))
+        (path / META).write_text(json.dumps(seal({"step": 1, "world_size": world_size, "files": {}})))
     return path
 
 
@@ -155,13 +95,27 @@ def test_loader_state_follows_the_data_rule(tmp_path):
         build_loader(cfg, tok, dp_rank=2, dp_size=3).load_state_dict(old.state_dict())
 
 
-def test_stop_flag_only_records_the_signal():
-    flag = StopFlag()
-    try:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert flag.raised == signal.SIGUSR1
-    finally:
-        flag.restore()
+def test_stop_flag_only_records_the_signal_and_the_process_in_charge_says_a_save_follows(capsys, monkeypatch):
+    """The single worker (no launcher above it) says at once what a stop request does; a worker under the
+    launcher stays quiet (its launcher says it, once for the job)."""
+    from muonrun.checkpoint.stop import LAUNCHER_PID_ENV
+
+    for launcher, says in ((None, True), ("1", False)):
+        if launcher is None:
+            monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+        else:
+            monkeypatch.setenv(LAUNCHER_PID_ENV, launcher)
+        flag = StopFlag()
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGTERM)  # a second request: nothing more to say
+            assert flag.raised == signal.SIGTERM
+        finally:
+            flag.restore()
+        out = capsys.readouterr()
+        text = out.out + out.err
+        assert text.count("got SIGUSR1: saving a checkpoint within two steps") == int(says), text
+        assert text.count("muonrun:") == int(says), text
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
@@ -185,14 +139,6 @@ def normuon_ref(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("normuon") / "run"
     ok(pretrain(out, *NORMUON, "checkpoint.interval=0"))
     return out
-
-
-def assert_same_losses(run: Path, ref: Path, first: int) -> None:
-    """Bitwise: every logged loss of `run` from step `first` on equals the uninterrupted run's."""
-    expect, got = losses(ref), losses(run)
-    assert sorted(s for s in got if s >= first) == list(range(first, STEPS + 1)), got
-    for step in range(first, STEPS + 1):
-        assert got[step] == [expect[step][0]] * len(got[step]), (step, got[step], expect[step])
 
 
 @pytest.mark.slow
@@ -318,11 +264,11 @@ def test_the_launcher_exits_by_what_workers_reported_not_by_their_exit_status(tm
 
 
 @pytest.mark.slow
-def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
+def test_export_round_trip_matches_logits(adamw_ref, tmp_path, reseal):
     from transformers import AutoModelForCausalLM
 
     from muonrun.model.build import build_hf_config
-    from muonrun.model.hf import read_run_config
+    from muonrun.tools.export import read_run_config
 
     step = adamw_ref / "checkpoints" / f"step-{STEPS}"
     hf = tmp_path / "hf"
@@ -356,8 +302,12 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
     tok.save_pretrained(tmp_path / "tok")
     run = tmp_path / "run-hf-tok"
     shutil.copytree(adamw_ref, run)
-    config = run / "config.yaml"
-    config.write_text(config.read_text().replace("tokenizer: byte", f"tokenizer: {tmp_path / 'tok'}"))
+    saved = run / "checkpoints" / f"step-{STEPS}" / "config.yaml"  # what export reads
+    reseal(
+        saved.parent,
+        saved.name,
+        saved.read_text().replace("tokenizer: byte", f"tokenizer: {tmp_path / 'tok'}"),
+    )
     result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf-tok")])
     assert result.exit_code == 0, result.output
     exported = json.loads((tmp_path / "hf-tok" / "config.json").read_text())
@@ -371,6 +321,7 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
             ((str(partial), str(tmp_path / "x")), "incomplete"),
             ((str(tmp_path / "nowhere"), str(tmp_path / "y")), "not a muonrun checkpoint"),
             ((str(step), str(hf)), "not empty"),
+            ((str(step), str(hf / "config.json")), "is a file"),
         ):
             result = runner.invoke(app, ["export", *args])
             assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
@@ -379,14 +330,86 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path):
         shutil.rmtree(partial)
 
 
+@pytest.mark.slow
+def test_a_refused_resume_changes_nothing_and_export_reads_the_checkpoints_own_config(
+    adamw_ref, tmp_path, reseal
+):
+    """A rerun with another architecture is refused (exit 2, naming the setting) and leaves the run's
+    config.yaml, metrics and checkpoints as they were; export rebuilds the model from the config the
+    checkpoint carries, so neither that rerun nor a hand edit of the run's config.yaml changes what it
+    writes; a checkpoint without its own config whose run config no longer fits is refused, naming the
+    first tensor that differs, and nothing is written."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    shutil.copytree(adamw_ref, run)
+    step = run / "checkpoints" / f"step-{STEPS}"
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    checkpoints = tree(run / "checkpoints")
+    refused = pretrain(run, "model.hf.hidden_size=64", nproc=1)
+    text = " ".join(refused.stderr.split())
+    assert refused.returncode == 2 and "does not fit this run's model" in text, refused.stderr[-3000:]
+    assert "model.hf.hidden_size: 128 -> 64" in text and "Traceback" not in refused.stderr
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert tree(run / "checkpoints") == checkpoints
+    # a hand edit of the run's config.yaml: export reads the checkpoint's own copy
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("hidden_size: 128", "hidden_size: 64"))
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.hidden_size == 128
+    # a checkpoint without its own config (an older muonrun's): the edited run config does not fit
+    reseal(step, "config.yaml", None)
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf2")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "does not fit the qwen2 model its config describes" in text, text
+    assert "'model.embed_tokens.weight' is (320, 128) in the checkpoint but (320, 64) in that model" in text
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # nothing written, no leftovers
+    config.write_text("model: [unclosed\n")
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "hf3")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"Config file '{config}' is not valid YAML" in text, text
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_seq_len_says_so_once_across_ranks(adamw_ref, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(adamw_ref, run)
+    text = ok(pretrain(run, "data.seq_len=32", "train.max_steps=9"))
+    assert text.count("data.seq_len is 32, the checkpoint was saved with 64") == 1, text[-3000:]
+    assert "UserWarning" not in text and "data changed" not in text
+    assert "  seq_len: 32\n" in (run / "config.yaml").read_text()  # the resumed run's config, now
+
+
+def test_an_output_dir_inside_a_checkpoint_or_a_runs_checkpoints_exits_2_and_creates_nothing(tmp_path):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-20"
+    _fake_checkpoint(step)
+    (run / "config.yaml").write_text("name: run\n")
+    for out, says in (
+        (step, f"is the checkpoint '{step}'"),
+        (step / "inner", f"is inside the checkpoint '{step}'"),
+        (run / "checkpoints", f"is the checkpoints folder of the run in '{run}'"),
+        (run / "checkpoints" / "new", f"is inside the checkpoints folder of the run in '{run}'"),
+    ):
+        before = tree(run)
+        result = runner.invoke(app, ["pretrain", "tiny", f"output_dir={out}", "train.max_steps=1"])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and says in text and "Traceback" not in result.output, result.output
+        assert tree(run) == before  # nothing created, nothing touched
+
+
 def _tiny_hf_model(folder: Path):
     """A randomly initialised transformers model with the tiny preset's architecture, saved as HF does."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
 
     torch.manual_seed(1)
-    hf_kwargs = dict(to_object(load_config("tiny")).model.hf)
+    hf_kwargs = dict(load_config("tiny").model.hf)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_kwargs))
     model.save_pretrained(folder)
     return model.state_dict()

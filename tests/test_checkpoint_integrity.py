@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import STEPS, assert_same_losses, ok, pretrain, steps_of
+from helpers import STEPS, assert_same_losses, ok, pretrain, steps_of
 from typer.testing import CliRunner
 
 from muonrun.checkpoint import META, read_meta, verify
@@ -75,7 +75,7 @@ def cli(*args: str):
 def test_every_kind_of_damage_is_found_and_named(ref, tmp_path):
     run = copy_of(ref, tmp_path)
     checkpoints = {s: run / "checkpoints" / f"step-{s}" for s in (2, 4, 6, 8)}
-    assert all(verify(c).ok and verify(c).checked for c in checkpoints.values())
+    assert all(verify(c).ok for c in checkpoints.values())
     code, text = cli("checkpoint", "verify", str(run))
     assert code == 0 and text.count("all checksums match") == 4
 
@@ -153,19 +153,19 @@ def test_damaged_explicit_checkpoints_and_no_intact_one_exit_2(ref, tmp_path):
     assert "cannot resume" in text and not list((run / "checkpoints").glob("*.damaged"))
 
 
-def test_checkpoints_without_a_manifest_still_load(ref, tmp_path):
-    """Written before checksums existed: loaded, and said to be unverified."""
+def test_a_checkpoint_without_a_manifest_is_damaged(ref, tmp_path):
+    """A muonrun.json without its file list and checksum: nothing vouches for the files, so nothing loads it."""
     run = copy_of(ref, tmp_path)
     step = run / "checkpoints" / f"step-{STEPS}"
     meta = json.loads((step / META).read_text())
     (step / META).write_text(
         json.dumps({k: v for k, v in meta.items() if k not in ("files", "manifest_sha256")})
     )
-    assert verify(step).ok and not verify(step).checked
+    assert not verify(step).ok
     code, text = cli("checkpoint", "verify", str(step))
-    assert code == 0 and "unverified" in text
+    assert code == 1 and "damaged" in text and META in text
     code, text = cli("export", str(step), str(tmp_path / "hf"))
-    assert code == 0 and (tmp_path / "hf" / "model.safetensors").is_file()
+    assert code == 2 and "damaged" in text and not (tmp_path / "hf").exists()
 
 
 # -- loading never runs code ---------------------------------------------------------------------------

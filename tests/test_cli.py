@@ -60,6 +60,18 @@ def test_config_docs_is_a_reference():
             ["pretrain", "tiny", "--dry-run", "model.name_or_path=no-such-org/no-such-model"],
             "could not be loaded",
         ),
+        # nan and inf pass every range check: refused by key wherever they are
+        (["pretrain", "tiny", "--dry-run", "optimizer.lr=nan"], "'optimizer.lr' is nan; it must be a finite"),
+        (["pretrain", "tiny", "--dry-run", "optimizer.muon.lr=inf"], "'optimizer.muon.lr' is inf"),
+        (["pretrain", "tiny", "--dry-run", "+model.hf.rope_theta=-.inf"], "'model.hf.rope_theta' is -inf"),
+        (
+            ["pretrain", "tiny", "--dry-run", "optimizer.muon.ns_steps=0"],
+            "at least 1 Newton–Schulz iteration",
+        ),
+        (
+            ["pretrain", "tiny", "--dry-run", "data.seq_len=100000"],
+            "'data.seq_len' is 100000, longer than the model's max_position_embeddings of 1024",
+        ),
     ],
 )
 def test_user_errors_exit_2_without_traceback(args, message):
@@ -71,13 +83,13 @@ def test_user_errors_exit_2_without_traceback(args, message):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_passes_dry_run(preset, tmp_path):
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
 
     extra = []
-    if to_object(load_config(preset)).model.name_or_path:  # a Hub model (the LoRA presets): offline, its
+    if load_config(preset).model.name_or_path:  # a Hub model (the LoRA presets): offline, its
         from transformers import Qwen2Config  # config.json is written from the inline 0.5B preset's
 
-        Qwen2Config(**to_object(load_config("qwen2-adamw-fsdp2")).model.hf).save_pretrained(tmp_path)
+        Qwen2Config(**load_config("qwen2-adamw-fsdp2").model.hf).save_pretrained(tmp_path)
         extra = [f"model.name_or_path={tmp_path}"]
     result = runner.invoke(app, ["pretrain", preset, *extra, "--dry-run", "--world-size", "8"])
     assert result.exit_code == 0, result.output
@@ -155,3 +167,40 @@ def test_an_output_dir_that_cannot_hold_a_run_exits_2_before_training(tmp_path):
         text = " ".join(result.output.split())
         assert result.exit_code == 2 and f"output_dir '{out}'" in text and says in text, result.output
         assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    "override, names",
+    [
+        ("train.device=cuda", ["'train.device' is 'cuda'", "no CUDA support", "train.device=cpu"]),
+        ("launch.backend=nccl", ["'launch.backend' is 'nccl'", "launch.backend=gloo"]),
+    ],
+)
+def test_cuda_settings_on_a_machine_without_cuda_exit_2_before_any_worker_starts(override, names, tmp_path):
+    result = runner.invoke(app, ["pretrain", "tiny", override, f"output_dir={tmp_path / 'run'}"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and all(n in text for n in names), result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about_and_runs():
+    result = runner.invoke(app, ["pretrain", "tiny", "schedule.warmup_steps=300", "--dry-run"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "WARNING: schedule.warmup_steps (300) is not shorter than train.max_steps (150)" in text
+    assert "reaching 50% of its peak" in text
+    quiet = runner.invoke(app, ["pretrain", "tiny", "schedule.warmup_steps=149", "--dry-run"])
+    assert "WARNING" not in quiet.output
+
+
+def test_a_plan_that_needs_more_memory_than_a_worker_has_is_warned_about(monkeypatch):
+    from muonrun.tools import plan
+
+    monkeypatch.setattr(plan, "device_memory", lambda c, workers: (1.0, "a 1 GiB test device"))
+    result = runner.invoke(app, ["pretrain", "tiny", "train.micro_batch_size=512", "--dry-run"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "WARNING: this plan needs about" in text and "(a 1 GiB test device): it will run out" in text
+    fits = runner.invoke(app, ["pretrain", "tiny", "--dry-run"])
+    assert fits.exit_code == 0 and "WARNING" not in fits.output

@@ -174,7 +174,7 @@ def test_ema_is_bias_corrected():
     assert ema([3.0, 1.0], 0.0) == [3.0, 1.0]
 
 
-def test_resumed_run_drops_replayed_rows_and_continues_wall_time(tmp_path):
+def test_resumed_run_drops_replayed_rows_and_continues_wall_time(tmp_path, capsys):
     folder = write_run(
         tmp_path / "r",
         [
@@ -189,8 +189,8 @@ def test_resumed_run_drops_replayed_rows_and_continues_wall_time(tmp_path):
             train_row(4, 2.0, 103.0),
         ],
     )
-    with pytest.warns(UserWarning, match="skipped 1 unreadable line"):
-        run = load_run(folder)
+    run = load_run(folder)
+    assert "skipped 1 unreadable line" in capsys.readouterr().err
     assert [(r["step"], r["loss"]) for r in run.train] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 2.0)]
     assert run.evals == [] and run.wall == [1.0, 2.0, 3.0, 5.0]
 
@@ -251,6 +251,12 @@ def test_user_errors(tmp_path, two_runs):
         compare([two_runs[0], two_runs[1], f"{two_runs[0]}/"], tmp_path / "x.png")
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "does not exist" in result.output
+    timeless = {k: v for k, v in train_row(2, 3.0, 5.0).items() if k != "time"}
+    write_run(tmp_path / "edited", [train_row(1, 4.0, 4.0), timeless])
+    result = CliRunner().invoke(app, ["compare", str(tmp_path / "edited"), "-o", str(tmp_path / "e.png")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "metrics.jsonl' line 2 is a training row that has no 'time'" in text
 
 
 def test_missing_matplotlib_is_a_user_error(two_runs, tmp_path, monkeypatch):

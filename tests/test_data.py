@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -239,7 +240,7 @@ def test_map_resume_on_a_different_dp_size(corpus):
         for ld in two:
             next(ld)  # 5 steps x 2 ranks x 2 = 20 global samples
     state = two[0].state_dict()
-    assert state == two[1].state_dict()
+    assert state.pop("identity") and state == two[1].state_dict()  # rank 0's also holds the data's identity
     three = [build_loader(cfg, tok, dp_rank=r, dp_size=3) for r in range(3)]
     for ld in three:
         ld.load_state_dict(state)
@@ -247,6 +248,136 @@ def test_map_resume_on_a_different_dp_size(corpus):
         for r, ld in enumerate(three):
             start = 20 + (k * 3 + r) * 2
             assert np.array_equal(rows(next(ld)), ref[start : start + 2])
+
+
+def resumed(cfg, tok, state, dp_rank=0, dp_size=1):
+    loader = build_loader(cfg, tok, dp_rank=dp_rank, dp_size=dp_size)
+    loader.load_state_dict(state)
+    return loader
+
+
+def edit_in_place(path, offset: int) -> None:
+    """Change one byte (an ASCII letter for another) at or after `offset`, keeping the size; the file's
+    modification time moves on as an editor's would."""
+    data = bytearray(Path(path).read_bytes())
+    at = next(i for i in range(offset, len(data)) if 97 <= data[i] <= 122 and data[i] != ord("q"))
+    data[at] = ord("q")
+    mtime = os.stat(path).st_mtime_ns
+    Path(path).write_bytes(bytes(data))
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_resume_on_a_file_edited_at_the_same_size_warns_once_naming_it(tmp_path, capsys, streaming):
+    path = write_jsonl(tmp_path / "corpus.jsonl", docs(80))
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([SourceConfig(path=path, streaming=streaming)], seq_len=16, shuffle_buffer=7)
+    loader = build_loader(cfg, tok)
+    take(loader, 3)
+    state, other_rank = loader.state_dict(), build_loader(cfg, tok, dp_rank=1, dp_size=2).state_dict()
+    assert "identity" in state and "identity" not in other_rank  # rank 0 alone reads and reports
+    size = os.path.getsize(path)
+    edit_in_place(path, 100)
+    assert os.path.getsize(path) == size
+    capsys.readouterr()
+    resumed(cfg, tok, state)
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and "UserWarning" not in err, err
+    assert f"data.sources.0 ({path}): '{path}' changed (the same size, other contents)" in err
+    assert "data.strict_resume=true refuses" in err
+    strict = make_cfg(
+        [SourceConfig(path=path, streaming=streaming)], seq_len=16, shuffle_buffer=7, strict_resume=True
+    )
+    with pytest.raises(UserError, match=rf"'{path}' changed \(the same size.*data.strict_resume is true"):
+        resumed(strict, tok, state)
+    capsys.readouterr()
+    resumed(cfg, tok, build_loader(cfg, tok).state_dict())  # the data as it is now: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_an_edit_between_the_sampled_blocks_is_seen_by_the_token_hash(tmp_path, capsys):
+    """A 2.6 MB file: its fingerprint reads 16 blocks of 64 KiB; an edit between them changes no
+    fingerprint, but the token stream the cache rebuilt (the modification time moved) differs."""
+    from muonrun.data.identity import BLOCK, sampled_sha256
+
+    path = write_jsonl(tmp_path / "big.jsonl", docs(30000))
+    size = os.path.getsize(path)
+    assert size > 16 * BLOCK * 2  # gaps between the sampled blocks
+    before = sampled_sha256(path, size)
+    between = (size - BLOCK) // 15 + BLOCK + 100  # past the second sampled block, before the third
+    edit_in_place(path, between)
+    assert sampled_sha256(path, size) == before
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], seq_len=16)
+    state = build_loader(cfg, tok).state_dict()
+    edit_in_place(path, between + 1)  # after the state was saved
+    capsys.readouterr()
+    resumed(cfg, tok, state)
+    err = capsys.readouterr().err
+    assert f"data.sources.0 ({path}): its text changed (the tokens differ)" in err, err
+
+
+def test_a_resume_reads_no_unchanged_file_and_a_copy_elsewhere_is_the_same_data(
+    tmp_path, capsys, monkeypatch
+):
+    from muonrun.data import identity
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    paths = [write_jsonl(folder / f"part{i}.jsonl", docs(30, seed=i)) for i in range(3)]
+    tok = build_tokenizer("byte")
+
+    def cfg(where):
+        return make_cfg([SourceConfig(path=f"{where}/*.jsonl", streaming=True)], seq_len=16, shuffle_buffer=7)
+
+    loader = build_loader(cfg(folder), tok)
+    take(loader, 2)
+    state = loader.state_dict()  # a streaming source's files are hashed here, at the first save
+
+    def no_reading(*args):
+        raise AssertionError("a file was read")
+
+    with monkeypatch.context() as m:
+        m.setattr(identity, "sampled_sha256", no_reading)
+        again = resumed(cfg(folder), tok, state)  # sizes and times unchanged: the saved hashes serve
+        assert again.state_dict()["identity"] == state["identity"]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in paths:  # another folder, new modification times, the same bytes
+        (copy / os.path.basename(path)).write_bytes(Path(path).read_bytes())
+    capsys.readouterr()
+    resumed(cfg(copy), tok, state)
+    assert capsys.readouterr().err == ""
+    os.remove(copy / "part1.jsonl")
+    resumed(cfg(copy), tok, state)
+    assert f"'{copy / 'part1.jsonl'}' is gone" in capsys.readouterr().err
+
+
+def test_a_changed_layout_is_reported_as_what_it_is_once(corpus, capsys):
+    _, path = corpus
+    tok = build_tokenizer("byte")
+    cfg = make_cfg([path], seq_len=16, batch=2)
+    loader = build_loader(cfg, tok)
+    take(loader, 5)
+    state = loader.state_dict()
+    capsys.readouterr()
+    longer = resumed(make_cfg([path], seq_len=32, batch=2), tok, state)
+    out, err = capsys.readouterr()
+    assert err.count("WARNING") == 1 and "data.seq_len is 32, the checkpoint was saved with 16" in err, err
+    assert "data changed" not in err and out == ""
+    assert longer.cursor == state["cursor"] * longer.epoch_size // state["epoch_size"]  # same fraction
+    wider = resumed(make_cfg([path], seq_len=16, batch=4), tok, state, dp_rank=1, dp_size=2)
+    out, err = capsys.readouterr()
+    assert err == "" and out.count("muonrun: ") == 1, (out, err)
+    assert (
+        "batch layout changed since the checkpoint (train.micro_batch_size 2 -> 4, data-parallel ranks 1 -> 2)"
+        in out
+    )
+    assert wider.cursor == state["cursor"]  # the same sample, the same order
+    old = {k: v for k, v in state.items() if k not in ("identity", "layout")}  # saved before identities
+    resumed(make_cfg([path], seq_len=32, batch=2), tok, old)
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and "The data changed since the checkpoint (an epoch of" in err
 
 
 def stream_cfg(path, **kw):
@@ -379,12 +510,17 @@ def test_text_files_are_one_document_each(tmp_path):
         assert np.array_equal(np.asarray(entry.tokens), byte_stream([files["a.py"], files["pkg/b.txt"]]))
 
 
+def entries(root) -> list:
+    """The cache entries in a cache folder (beside them: `datasets`, datasets' own files)."""
+    return [p for p in root.iterdir() if p.is_dir() and p.name != "datasets"]
+
+
 def test_cache_is_reused_and_follows_file_changes(corpus, monkeypatch):
     texts, path = corpus
     tok = build_tokenizer("byte")
     cfg = make_cfg([path], seq_len=16)
     root = prepare(cfg)
-    (entry,) = [p for p in root.iterdir() if p.is_dir()]
+    (entry,) = entries(root)
     meta, mtime = json.loads((entry / "meta.json").read_text()), (entry / "tokens.bin").stat().st_mtime_ns
     assert meta["num_tokens"] == len(byte_stream(texts)) and meta["num_docs"] == len(texts)
 
@@ -400,7 +536,7 @@ def test_cache_is_reused_and_follows_file_changes(corpus, monkeypatch):
     write_jsonl(path, texts[:40])  # an edited file is a new cache entry
     os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
     assert ensure_cached(cfg.data.sources[0], "k", tok, cfg.data).meta["num_docs"] == 40
-    assert len([p for p in root.iterdir() if p.is_dir()]) == 2
+    assert len(entries(root)) == 2
 
 
 def _build_in_child(cfg, queue):
@@ -423,9 +559,7 @@ def test_concurrent_builds_make_one_entry(corpus):
     assert [p.exitcode for p in procs] == [0, 0, 0]
     paths = {queue.get(timeout=5) for _ in procs}
     root = cache_mod.cache_root(cfg.data)
-    assert len(paths) == 1 and [p.name for p in root.iterdir() if p.is_dir()] == [
-        os.path.basename(paths.pop())
-    ]
+    assert len(paths) == 1 and [p.name for p in entries(root)] == [os.path.basename(paths.pop())]
 
 
 # -- user errors --------------------------------------------------------------------------------------------
@@ -558,7 +692,7 @@ def test_skip_bad_records_map_style(tmp_path, capsys):
         f"muonrun: skipped 8 of 40 records of data.sources.0 ({path}) whose 'text' is missing, null or not a "
         "string (data.skip_bad_records=true)"
     )
-    assert capsys.readouterr().out.strip() == line
+    assert capsys.readouterr().out.splitlines().count(line) == 1  # beside it: the "tokenizing" line
     served = np.concatenate(take(build_loader(cfg, tok), 3)).reshape(-1)
     assert np.array_equal(served, byte_stream(good)[: len(served)])
     # the entry built while skipping is not used silently by a run that does not skip
@@ -575,7 +709,7 @@ def test_skip_bad_records_reported_once_per_process_and_rank_0_only(tmp_path, ca
     tok = build_tokenizer("byte")
     cfg = bad_cfg(path, skip=True)
     build_loader(cfg, tok, dp_rank=1, dp_size=2)
-    assert capsys.readouterr().out == ""
+    assert "skipped" not in capsys.readouterr().out
     build_loader(cfg, tok, dp_rank=0, dp_size=2)
     build_loader(cfg, tok, dp_rank=0, dp_size=2)
     assert capsys.readouterr().out.count("skipped 8 of 40 records") == 1
@@ -683,6 +817,29 @@ def test_a_line_that_is_not_json_is_named(tmp_path):
             check_data(bad_cfg(path, streaming))
         with pytest.raises(UserError, match=rf"line 2 of '{path}' is not JSON"):
             next(build_loader(bad_cfg(path, streaming, seq_len=2), build_tokenizer("byte")))
+
+
+def test_a_line_that_is_json_but_not_an_object_is_named(tmp_path):
+    first = write_lines(tmp_path / "arrays.jsonl", [["a", "b"], ["c"]])  # starts like one JSON array
+    later = write_lines(tmp_path / "later.jsonl", [{"text": "a"}, {"text": "b"}, ["c"]])
+    for path, line in ((first, 1), (later, 3)):
+        for streaming in (False, True):
+            with pytest.raises(UserError, match=rf"line {line} of '{path}' is not an object \(\["):
+                check_data(bad_cfg(path, streaming))
+
+
+def test_datasets_own_files_go_under_the_data_cache(corpus, tmp_path):
+    """datasets' Arrow copy of a local source and its locks: under data.cache_dir, not in datasets'
+    default cache (HF_DATASETS_CACHE, pointed at tmp_path/hf-datasets by the autouse fixture)."""
+    _, path = corpus
+    cache = tmp_path / "cache"
+    for streaming in (False, True):
+        cfg = make_cfg([SourceConfig(path=path, streaming=streaming)], cache_dir=str(cache))
+        check_data(cfg)
+        next(build_loader(cfg, build_tokenizer("byte")))
+    prepare(make_cfg([path], cache_dir=str(cache)))
+    assert not (tmp_path / "hf-datasets").exists()
+    assert any((cache / "datasets").iterdir())
 
 
 def test_quoted_texts_are_fine(tmp_path):

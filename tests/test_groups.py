@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_qwen2
 from torch import nn
 
 from muonrun.optim.groups import ParamSplit, clean_param_name, split_params
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_qwen2(tied: bool) -> nn.Module:
-    cfg = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
 HIDDEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -169,21 +156,19 @@ def test_fsdp_sharded_model_keeps_groups():
 
 def test_muon_preset_settings_reach_the_optimizers():
     """optimizer.muon.* from the config (the Muon preset plus overrides) land on the built Muon."""
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
     from muonrun.optim.build import build_optimizers
 
-    cfg = to_object(
-        load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=false", "optimizer.muon.ns_steps=4"])
-    )
+    cfg = load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=false", "optimizer.muon.ns_steps=4"])
     muon, adamw = build_optimizers(tiny_qwen2(tied=True), cfg.optimizer, "cpu")
     assert type(muon).__name__ == "Muon" and isinstance(adamw, torch.optim.AdamW)
     assert not muon.gram and muon.defaults["ns_steps"] == 4 and muon.defaults["lr"] == cfg.optimizer.muon.lr
     assert muon.defaults["nesterov"] and muon.defaults["momentum"] == 0.95
-    assert build_optimizers(
-        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", [])).optimizer, "cpu"
-    )[0].gram  # the preset's default
+    assert build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cpu")[
+        0
+    ].gram  # the preset's default
     assert not build_optimizers(
-        tiny_qwen2(tied=True), to_object(load_config("tiny", ["optimizer.name=muon"])).optimizer, "cpu"
+        tiny_qwen2(tied=True), load_config("tiny", ["optimizer.name=muon"]).optimizer, "cpu"
     )[0].gram  # the schema's: torch.optim.Muon's iteration
 
 

@@ -115,3 +115,25 @@ def test_readme_layout_names_what_exists():
             ROOT / "scripts" / name,
         ]
         assert any(c.exists() for c in candidates), name
+
+
+def test_the_top_level_holds_few_modules_and_the_packages_show_the_flow():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= 8, top
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert {"config", "launch", "train", "model", "features", "optim", "data", "checkpoint"} <= packages
+
+
+def test_no_core_module_imports_a_feature():
+    """Optional features plug in through muonrun/features/protocol.py: outside muonrun/features/ only
+    the registry (`muonrun.features`) and the protocol's types are imported, never a feature module."""
+    graph = import_graph()
+    features = {m for m in graph if m.startswith("muonrun.features.") and m != "muonrun.features.protocol"}
+    assert {"muonrun.features.lora", "muonrun.features.qkclip", "muonrun.features.float8"} <= features
+    leaks = {
+        (m, f)
+        for m, targets in graph.items()
+        if not m.startswith("muonrun.features")
+        for f in targets & features
+    }
+    assert not leaks, leaks

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import losses
+from helpers import losses, run_workers
 from typer.testing import CliRunner
 
+from muonrun.checkpoint import resolve_checkpoint
 from muonrun.cli import app
-from muonrun.config import load_config, to_object
+from muonrun.config import load_config
 
 runner = CliRunner()
 WORKER = Path(__file__).parent / "dist" / "lora_worker.py"
@@ -33,7 +34,7 @@ def tiny_pretrained(folder: Path, seed: int = 1) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    hf_kwargs = dict(to_object(load_config("tiny")).model.hf)
+    hf_kwargs = dict(load_config("tiny").model.hf)
     AutoModelForCausalLM.from_config(Qwen2Config(**hf_kwargs)).save_pretrained(folder)
     return folder
 
@@ -60,7 +61,6 @@ def folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(folder) -> Path:
     """The 3-rank worker's run: FOLDER/run (checkpoints step-3, step-5), FOLDER/logits.pt, its log."""
-    from tests.dist.launch import run_workers
 
     out = run_workers(WORKER, 3, str(folder), timeout=400)
     assert "LORA_WORKER_OK" in out, out
@@ -93,14 +93,15 @@ def test_groups_and_plan_count_only_what_trains(folder):
     """Muon takes exactly the adapters' A and B, AdamW what else trains (here the norms); with adamw
     AdamW takes all that trains; frozen parameters are in no group; the dry run plans memory without
     fp32 copies, gradients or optimizer state for frozen weights."""
+    from muonrun.features import enabled
     from muonrun.features.lora import is_adapter
     from muonrun.model.build import build_hf_config, build_model
     from muonrun.optim.build import build_optimizers
     from muonrun.tools.plan import memory_per_rank, plan_summary
 
     over = [*LORA, f"model.name_or_path={folder / 'base'}", "model.lora.train=['*norm.weight']"]
-    c = to_object(load_config("tiny", [*over, "optimizer.name=muon"]))
-    model = build_model(c.model, build_hf_config(c.model))
+    c = load_config("tiny", [*over, "optimizer.name=muon"])
+    model = build_model(c.model, build_hf_config(c.model), enabled(c))
     named = {id(p): n for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     muon, adamw = (
@@ -109,7 +110,7 @@ def test_groups_and_plan_count_only_what_trains(folder):
     )
     assert muon == {n for n in trainable if is_adapter(n)} and len(muon) == 4 * 7 * 2
     assert adamw == trainable - muon and all(n.endswith("norm.weight") for n in adamw)
-    (only,) = build_optimizers(model, to_object(load_config("tiny", over)).optimizer, "cpu")
+    (only,) = build_optimizers(model, load_config("tiny", over).optimizer, "cpu")
     assert {named[id(p)] for g in only.param_groups for p in g["params"]} == trainable
 
     s = plan_summary(load_config("tiny", [*over, "optimizer.name=muon", "train.device=auto"]), 2)
@@ -131,8 +132,8 @@ def test_targets_and_base_identity(folder, tmp_path):
     from muonrun.model.build import build_hf_config, build_model
     from muonrun.model.hf import base_identity
 
-    c = to_object(load_config("tiny", [*LORA, f"model.name_or_path={folder / 'base'}"]))
-    plain = to_object(load_config("tiny", [f"model.name_or_path={folder / 'base'}"])).model
+    c = load_config("tiny", [*LORA, f"model.name_or_path={folder / 'base'}"])
+    plain = load_config("tiny", [f"model.name_or_path={folder / 'base'}"]).model
     plain = build_model(plain, build_hf_config(plain))
     assert sorted(peft_config(plain, c.model.lora).target_modules) == sorted(c.model.lora.target_modules)
     c.model.lora.target_modules = ["model.layers.1.mlp.*"]
@@ -164,7 +165,7 @@ def test_lora_under_fsdp2_matches_torch_muon_and_resumes_bitwise(trained):
 
 
 @pytest.mark.slow
-def test_exports_give_the_trained_models_logits(trained, tmp_path):
+def test_exports_give_the_trained_models_logits(trained, tmp_path, reseal):
     """The merged folder loads with from_pretrained, the adapter folder with peft, and both give the
     logits the sharded model computed in training."""
     from peft import PeftModel
@@ -186,11 +187,11 @@ def test_exports_give_the_trained_models_logits(trained, tmp_path):
     with torch.no_grad():
         for model in (merged, adapted):
             torch.testing.assert_close(model(saved["ids"]).logits, saved["logits"], rtol=0, atol=2e-5)
-    # the base named in config.yaml must still be the one the adapters were trained on
+    # the base named in the checkpoint's config.yaml must still be the one the adapters were trained on
     run = shutil.copytree(trained / "run", tmp_path / "moved" / "run")
     other = tiny_pretrained(tmp_path / "other", seed=2)
-    yaml = (run / "config.yaml").read_text().replace(str(trained / "base"), str(other))
-    (run / "config.yaml").write_text(yaml)
+    saved = resolve_checkpoint(run) / "config.yaml"
+    reseal(saved.parent, saved.name, saved.read_text().replace(str(trained / "base"), str(other)))
     code, text = invoke("export", str(run), str(tmp_path / "x"))
     assert code == 2 and "trained on" in text and "fingerprint" in text and "Traceback" not in text, text
 

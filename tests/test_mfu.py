@@ -91,13 +91,15 @@ def test_peak_table_lookup(name, precision, expected):
         assert lookup_peak_tflops(name, precision) == expected
 
 
-def test_unknown_device_warns_once(monkeypatch):
+def test_unknown_device_warns_once(monkeypatch, capsys):
     monkeypatch.setattr(mfu, "_warned_devices", set())
-    with pytest.warns(UserWarning, match="Unknown device 'NVIDIA Quantum Q9'.*logging.peak_tflops"):
-        assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
+    assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
+    assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
+    err = capsys.readouterr().err
+    assert (
+        err.count("muonrun: WARNING: Unknown device 'NVIDIA Quantum Q9'") == 1
+        and "logging.peak_tflops" in err
+    )
 
 
 def test_matmul_precision_follows_param_dtype():

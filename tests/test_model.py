@@ -6,8 +6,9 @@ from unittest import mock
 import pytest
 import torch
 
-from muonrun.config import ModelConfig, load_config, to_object
-from muonrun.model.build import MASK_FREE_SDPA, build_hf_config, build_model, init_weights
+from muonrun.config import ModelConfig, load_config
+from muonrun.model.attention import ATTENTION_NAME as MASK_FREE_SDPA
+from muonrun.model.build import build_hf_config, build_model, init_weights
 
 TINY_QWEN2 = dict(
     vocab_size=64,
@@ -70,7 +71,7 @@ def test_training_steps_never_wait_for_the_gpu(tmp_path, optimizer, extra):
 
     overrides = [f"output_dir={tmp_path}", "train.device=cuda", f"optimizer.name={optimizer}", *extra]
     overrides += ["train.eval_interval=0", "checkpoint.interval=0", "logging.console=plain"]
-    trainer = Trainer(to_object(load_config("tiny", overrides)))
+    trainer = Trainer(load_config("tiny", overrides))
 
     def step(log: bool) -> None:
         loss, grad_norm, wait = trainer.train_step()

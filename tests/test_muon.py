@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_workers, tiny_qwen2
 
 from muonrun.optim import (
     DEFAULT_NS_COEFFICIENTS,
@@ -272,15 +273,15 @@ def test_newton_schulz_orthogonalizes_and_polar_express_is_tighter():
 
 
 def _script(name):
-    """A numerics script of scripts/ as a module (they import each other by name, as when run)."""
-    scripts = str(Path(__file__).parents[1] / "scripts")
+    """A numerics script of benchmarks/ as a module (they import each other by name, as when run)."""
+    scripts = str(Path(__file__).parents[1] / "benchmarks")
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
     return importlib.import_module(name)
 
 
 def test_polar_express_table_is_the_greedy_minimax_construction():
-    """scripts/polar_express_coefficients.py rebuilds the published 5-iteration table; its tables for
+    """benchmarks/polar_express_coefficients.py rebuilds the published 5-iteration table; its tables for
     fewer iterations are that table's first rows with the safety factor taken off the last one."""
     script = _script("polar_express_coefficients")
     for row, published in zip(script.polar_express_coefficients(5), POLAR_EXPRESS_COEFFICIENTS, strict=True):
@@ -395,6 +396,172 @@ def test_gram_newton_schulz_in_bf16_is_as_close_to_the_polar_factor():
             assert s.min() > 0.6 and s.max() < 1.4, (coefficients, s.min(), s.max())
 
 
+@pytest.mark.parametrize("variant", ["muon", "normuon"])
+@pytest.mark.parametrize("gram", [False, True])
+def test_fused_muon_on_the_cpu_runs_the_same_ops_and_says_so_once(gram, variant, capsys, monkeypatch):
+    """``fused=True`` on the CPU runs its passes as the eager foreach ops they fuse: the same results
+    as without it, bit for bit (and so torch.optim.Muon's, within bf16 rounding, without the Gram
+    form), and it says once per process that nothing is compiled here."""
+    from muonrun.optim import fused
+
+    monkeypatch.setattr(fused, "_said", set())
+    init = make_params(16)
+    runs = {name: [p.clone() for p in init] for name in ("fused", "plain", "torch")}
+    kw = dict(lr=LR, weight_decay=0.1, nesterov=True)
+    opts = {
+        "fused": Muon(runs["fused"], **kw, fused=True, gram=gram, variant=variant),
+        "plain": Muon(runs["plain"], **kw, gram=gram, variant=variant),
+        "torch": TorchMuon(runs["torch"], **kw),
+    }
+    for step in range(10):
+        set_grads(list(runs.values()), step)
+        for opt in opts.values():
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(runs["fused"], runs["plain"], strict=True))
+    if not gram and variant == "muon":
+        assert_matches(runs["fused"], runs["torch"], init)
+    assert not opts["fused"]._passes.compiled
+    other = [p.clone() for p in init]
+    set_grads([other], 0)
+    Muon(other, fused=True).step()  # a second fused optimizer in the process
+    assert capsys.readouterr().out.count("compiled on GPUs only") == 1
+
+
+def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
+    """The compiled form of the passes (a backend that runs dynamo's graph as it is) gives what the
+    eager foreach ops give, with one graph per pass and bucket: an lr that changes every step (a
+    schedule) compiles nothing new."""
+    init = make_params(17)
+    for variant in ("muon", "normuon"):
+        compiled = []
+
+        def backend(gm, example_inputs, compiled=compiled):
+            compiled.append(gm)
+            return gm.forward
+
+        eager, traced = [p.clone() for p in init], [p.clone() for p in init]
+        kw = dict(lr=LR, weight_decay=0.1, fused=True, variant=variant)
+        opts = [Muon(eager, **kw), Muon(traced, **kw, bucket_numel=700)]
+        opts[1].compile_backend = backend
+        graphs = []
+        for step in range(4):
+            set_grads([eager, traced], step)
+            for opt in opts:
+                for group in opt.param_groups:
+                    group["lr"] = LR * (step + 1) / 4
+                opt.step()
+            graphs.append(len(compiled))
+        buckets = len(opts[1]._plan[0].buckets)
+        assert opts[1]._passes.compiled and buckets > 1
+        assert graphs == [2 * buckets] * 4, (graphs, buckets)
+        for p, q, q0 in zip(traced, eager, init, strict=True):
+            assert (p - q).abs().max() <= 1e-5 * (q - q0).abs().max(), (variant, tuple(p.shape))
+
+
+@pytest.mark.parametrize("precondition", ["frobenius", "aol"])
+def test_scaling_folded_into_the_first_product_is_the_scaled_iteration(precondition):
+    """In float64, Newton–Schulz with the input's scale read off its first Gram product (Frobenius:
+    the trace; AOL: the rows' absolute sums) equals dividing first, then iterating: standard and Gram
+    forms, wide and tall, 0 to 5 iterations, and written into its own input's memory (``out``)."""
+    from muonrun.optim.newton_schulz import Scaling, ns_iterations
+
+    g = torch.Generator().manual_seed(18)
+    for shape in [(3, 6, 16), (2, 20, 4), (1, 9, 9)]:
+        X = torch.randn(*shape, generator=g, dtype=torch.float64)
+        tall = shape[1] > shape[2]
+        A = X.mT @ X if tall else X @ X.mT
+        if precondition == "aol":
+            d = A.abs().sum(-1).rsqrt()
+            scaled = X * d.unsqueeze(-2) if tall else X * d.unsqueeze(-1)
+        else:
+            scaled = X / X.norm(dim=(-2, -1), keepdim=True)
+        for steps in (0, 1, 2, 3, 5):
+            per_step, _ = resolve_ns_coefficients(
+                "turbo" if precondition == "aol" else "polar_express", steps
+            )
+            for gram in (False, True):
+                expected = ns_iterations(scaled, per_step, gram=gram)
+                got = ns_iterations(X, per_step, gram=gram, scaling=Scaling(precondition))
+                # d is computed in fp32, the iteration in fp64
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+                buf = X.clone()
+                assert ns_iterations(buf, per_step, gram=gram, scaling=Scaling(precondition), out=buf) is buf
+                torch.testing.assert_close(buf, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_aol_with_the_turbo_table_stays_bounded_and_near_the_polar_factor():
+    """AOL bounds the singular values by 1 and a rank-one input reaches it; bf16 may pass it. The
+    `turbo` table keeps every input with singular values up to 1.1 bounded. On a gradient-like matrix
+    (singular values 1/i) with 128 rows it is closer to the polar factor at 4 iterations than the
+    default quintic at 5 (benchmarks/ns_levers_numerics.py has the preset shapes, where it is farther on
+    such steep spectra from 256 rows on)."""
+    from muonrun.optim.newton_schulz import TURBO_COEFFICIENTS
+
+    x = torch.linspace(0, 1.1, 1101, dtype=torch.float64)
+    for a, b, c in TURBO_COEFFICIENTS:
+        x = a * x + b * x**3 + c * x**5
+        assert x.min() >= 0 and x.max() < 2.0
+    assert x[10:].min() > 0.5 and x.max() < 1.3
+    g = torch.Generator().manual_seed(19)
+    rank_one = torch.randn(40, 1, generator=g) @ torch.randn(1, 90, generator=g)
+    for gram in (False, True):
+        out = newton_schulz(rank_one, 4, "turbo", precondition="aol", gram=gram).float()
+        assert 0.9 < torch.linalg.matrix_norm(out, ord=2) < 1.3
+    gradient_like = _script("gram_ns_numerics").gradient_like
+    G = gradient_like(128, 512, seed=0)
+    u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
+    polar = u @ vh
+    distance = {}
+    for name, kw in {
+        "default x5": {},
+        "aol turbo x4": dict(steps=4, coefficients="turbo", precondition="aol"),
+        "aol turbo gram x4": dict(steps=4, coefficients="turbo", precondition="aol", gram=True),
+    }.items():
+        out = newton_schulz(G, **kw).double()
+        distance[name] = ((out - polar).norm() / polar.norm()).item()
+    assert max(distance["aol turbo x4"], distance["aol turbo gram x4"]) < 0.8 * distance["default x5"], (
+        distance
+    )
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_zero_newton_schulz_steps_on_one_rank_step_with_the_normalised_momentum(fused):
+    """With ns_steps=0 the owner's result is its (normalised) input itself: on one rank the buffer it
+    lives in is also where the result goes, which must not be copied onto itself."""
+    init = make_params(20)
+    ours = [p.clone() for p in init]
+    opt = Muon(ours, lr=LR, weight_decay=0.0, ns_steps=0, nesterov=False, fused=fused)
+    set_grads([ours], 0)
+    grads = [p.grad.clone() for p in ours]
+    opt.step()
+    for p, p0, grad in zip(ours, init, grads, strict=True):
+        u = 0.05 * grad  # the first momentum: (1 - 0.95) * grad
+        step = adjust_lr(LR, None, p.shape) * u / u.norm()
+        # three bf16 roundings (input, norm, quotient) of 2^-9 each
+        torch.testing.assert_close(p0 - p, step, rtol=2**-7, atol=2**-9 * step.abs().max().item())
+
+
+def test_dry_run_names_the_newton_schulz_settings_it_counts():
+    from muonrun.config.schema import MuonConfig
+    from muonrun.tools.plan import ns_settings
+
+    assert ns_settings(MuonConfig()) == "5 iterations, default coefficients, frobenius scaling"
+    aol = MuonConfig(ns_steps=4, ns_coefficients="turbo", ns_precondition="aol", gram_ns=True)
+    assert ns_settings(aol) == "4 iterations, turbo coefficients, aol scaling, Gram form where wide"
+
+
+def test_normuon_row_scale_is_normuon_normalize():
+    from muonrun.optim.newton_schulz import normuon_normalize, normuon_row_scale
+
+    g = torch.Generator().manual_seed(21)
+    X = newton_schulz(torch.randn(3, 12, 40, generator=g))
+    v = torch.rand(3, 12, generator=g) * 1e-2
+    U, v_new = normuon_normalize(X, v, beta2=0.9, eps=1e-8)
+    f, v_rows = normuon_row_scale(X, v, beta2=0.9, eps=1e-8)
+    torch.testing.assert_close(f.unsqueeze(-1) * X.float(), U)
+    torch.testing.assert_close(v_rows, v_new)
+
+
 def test_owners_balance_newton_schulz_flops_where_round_robin_cannot():
     from muonrun.optim.sharding import owner_flops
     from muonrun.tools.plan import ns_flops_per_rank
@@ -489,9 +656,6 @@ def test_state_dict_round_trip(variant):
     b = [p.clone() for p in a]
     opt_b = Muon(b, lr=LR, variant=variant)
     saved = copy.deepcopy(opt.state_dict())  # load_state_dict may alias tensors
-    if variant == "muon":  # saved before NorMuon's settings existed: their defaults
-        for group in saved["param_groups"]:
-            del group["variant"], group["beta2"], group["normuon_eps"]
     opt_b.load_state_dict(saved)
     for step in range(3, 6):
         set_grads([a, b], step)
@@ -599,24 +763,28 @@ def test_telemetry_keys_and_values_on_one_device():
 
 
 def test_normuon_settings_reach_the_optimizer_from_the_config():
-    from muonrun.config import load_config, to_object
+    from muonrun.config import load_config
     from muonrun.optim.build import build_optimizers
-    from tests.test_groups import tiny_qwen2
 
     overrides = [
         "optimizer.muon.variant=normuon",
         "optimizer.muon.beta2=0.9",
         "optimizer.muon.ns_dtype=float32",
+        "optimizer.muon.ns_precondition=aol",
+        "optimizer.muon.ns_coefficients=turbo",
+        "optimizer.muon.fused=true",
     ]
     muon = build_optimizers(
-        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", overrides)).optimizer, "cpu"
+        tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", overrides).optimizer, "cpu"
     )[0]
     assert muon.defaults["variant"] == "normuon" and muon.defaults["beta2"] == 0.9
-    assert muon.ns_dtype == torch.float32
-    muon = build_optimizers(
-        tiny_qwen2(tied=True), to_object(load_config("qwen2-muon-fsdp2", [])).optimizer, "cuda"
-    )[0]
+    assert muon.ns_dtype == torch.float32 and muon.fused
+    assert muon.defaults["precondition"] == "aol" and muon.defaults["ns_coefficients"] == "turbo"
+    muon = build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cuda")[0]
     assert muon.ns_dtype == torch.bfloat16 and muon.defaults["variant"] == "muon"  # the defaults: auto, muon
+    assert muon.fused and muon.defaults["precondition"] == "frobenius"  # fused: on for GPUs
+    cpu = build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cpu")
+    assert not cpu[0].fused  # off on CPU
 
 
 @pytest.mark.gpu
@@ -691,7 +859,6 @@ def test_distributed_matches_reference(tmp_path):
     and empty shards, exactly-once orthogonalisation, a real FSDP2 backward, DCP save/load/resume,
     muonrun.train.clip against torch's clip_grad_norm_ and muonrun's AdamW (local shards) against torch's AdamW;
     at the end, release_process_groups leaves no gloo thread for interpreter teardown."""
-    from tests.dist.launch import run_workers
 
     out = run_workers(WORKER, 4, str(tmp_path), timeout=600)
     assert "MUON_WORKER_OK" in out, out

@@ -2,14 +2,14 @@
 
 import torch
 
-from muonrun.config import load_config, to_object
+from muonrun.config import load_config
 from muonrun.data import build_tokenizer
 from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, decoder_layers
-from muonrun.model.parallelize import apply_compile
+from muonrun.model.parallelize import apply_compile_and_checkpointing
 
 
 def test_compiled_layers_share_one_graph():
-    cfg = to_object(load_config("tiny", ["model.hf.num_hidden_layers=10"]))  # > dynamo's recompile limit of 8
+    cfg = load_config("tiny", ["model.hf.num_hidden_layers=10"])  # > dynamo's recompile limit of 8
     hf_config = build_hf_config(cfg.model, build_tokenizer(cfg.data.tokenizer).vocab_size)
     with torch.device("cpu"):
         model = CausalLMWithLoss(build_model(cfg.model, hf_config), cfg.train.loss_chunk_tokens)
@@ -17,7 +17,9 @@ def test_compiled_layers_share_one_graph():
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     layers = decoder_layers(model)
-    apply_compile(layers, backend="eager")  # dynamo's guards are what is under test, not inductor
+    apply_compile_and_checkpointing(
+        layers, "none", True, backend="eager"
+    )  # dynamo's guards are what is under test, not inductor
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     ids = torch.randint(0, hf_config.vocab_size, (2, 16))
@@ -44,7 +46,7 @@ def test_checkpointed_layers_are_compiled_too():
         return run
 
     for mode, runs_per_step in (("selective", 10 + 5), ("full", 10 + 10)):
-        cfg = to_object(load_config("tiny", ["model.hf.num_hidden_layers=10"]))
+        cfg = load_config("tiny", ["model.hf.num_hidden_layers=10"])
         hf_config = build_hf_config(cfg.model, build_tokenizer(cfg.data.tokenizer).vocab_size)
         model = CausalLMWithLoss(build_model(cfg.model, hf_config), cfg.train.loss_chunk_tokens)
         model.to_empty(device="cpu")

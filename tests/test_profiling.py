@@ -4,13 +4,13 @@ from types import SimpleNamespace
 
 import torch
 
-from muonrun.config import load_config, to_object
+from muonrun.config import load_config
 from muonrun.observe.profiling import ACTIVE, WAIT, WARMUP, StepProfiler, phase
 from muonrun.observe.timeline import summarize
 
 
 def run_steps(tmp_path, is_main: bool):
-    cfg = to_object(load_config("tiny", [f"output_dir={tmp_path}", "logging.profile=true"]))
+    cfg = load_config("tiny", [f"output_dir={tmp_path}", "logging.profile=true"])
     prof = StepProfiler(cfg, SimpleNamespace(is_main=is_main, device=torch.device("cpu")))
     x = torch.randn(64, 64)
     for _ in range(WAIT + WARMUP + ACTIVE + 1):

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_workers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from muonrun.config import ModelConfig, load_config, to_object
+from muonrun.config import ModelConfig, load_config
 from muonrun.errors import UserError
-from muonrun.features import qkclip
-from muonrun.features.qkclip import QKClip, build_qk_clip, causal_max_logit_matmul
+from muonrun.features import enabled, qkclip
+from muonrun.features.qkclip import QKClip, causal_max_logit_matmul, check_measurable
 from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
 
 # 6 query heads over 2 key heads (groups of 3), head_dim 8, Qwen2's query and key biases
@@ -216,11 +217,13 @@ def test_qk_clip_bounds_the_logit_of_a_model_that_grows_it():
 
 def test_compiled_layers_measure_the_same_and_share_one_graph():
     from muonrun.model.build import decoder_layers
-    from muonrun.model.parallelize import apply_compile
+    from muonrun.model.parallelize import apply_compile_and_checkpointing
 
     eager, compiled = make_model(qk_gain=5.0), make_model(qk_gain=5.0)
     trackers = [QKClip(m, tau=None, device=torch.device("cpu")) for m in (eager, compiled)]
-    apply_compile(decoder_layers(compiled), backend="aot_eager")  # functionalizes the in-place max
+    apply_compile_and_checkpointing(
+        decoder_layers(compiled), "none", True, backend="aot_eager"
+    )  # functionalizes the in-place max
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     for seed in (0, 1):
@@ -234,17 +237,22 @@ def test_compiled_layers_measure_the_same_and_share_one_graph():
 
 def test_settings_that_cannot_work_are_user_errors():
     with pytest.raises(UserError, match="train.qk_clip.tau.*positive"):
-        to_object(load_config("tiny", ["train.qk_clip.tau=0"]))
-    assert build_qk_clip(make_model(), None, False, torch.device("cpu")) is None  # off: nothing installed
+        load_config("tiny", ["train.qk_clip.tau=0"])
     m = ModelConfig(architecture="qwen2", hf=HF, attn_implementation="eager")
     with pytest.raises(UserError, match="logging.max_attention_logit.*attn_implementation=sdpa"):
-        build_qk_clip(build_model(m, build_hf_config(m)), None, True, torch.device("cpu"))
+        check_measurable(build_model(m, build_hf_config(m)), None)
     qk_norm = dict(HF, head_dim=8)
     m = ModelConfig(architecture="qwen3", hf=qk_norm)
     with pytest.raises(UserError, match="q_norm/k_norm"):
-        build_qk_clip(build_model(m, build_hf_config(m)), 100.0, False, torch.device("cpu"))
+        check_measurable(build_model(m, build_hf_config(m)), 100.0)
     # measuring alone is fine there
-    assert build_qk_clip(build_model(m, build_hf_config(m)), None, True, torch.device("cpu")) is not None
+    assert check_measurable(build_model(m, build_hf_config(m)), None)
+    # the feature checks on every build of the model, before any worker starts
+    c = load_config("tiny", ["train.qk_clip.tau=50", "model.attn_implementation=eager"])
+    with pytest.raises(UserError, match="train.qk_clip.tau.*attn_implementation=sdpa"):
+        build_model(c.model, build_hf_config(c.model), enabled(c))
+    assert [f.name for f in enabled(c)] == ["qk_clip"]
+    assert enabled(load_config("tiny", [])) == []
 
 
 def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):
@@ -262,11 +270,9 @@ def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
     d = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=mesh)
     tensorboard = importlib.util.find_spec("tensorboard") is not None
-    cfg = to_object(
-        load_config(
-            "tiny",
-            [f"output_dir={tmp_path / 'run'}", "logging.console=plain", f"logging.tensorboard={tensorboard}"],
-        )
+    cfg = load_config(
+        "tiny",
+        [f"output_dir={tmp_path / 'run'}", "logging.console=plain", f"logging.tensorboard={tensorboard}"],
     )
 
     class Stub(torch.optim.SGD):  # the interface every muonrun optimizer offers
@@ -323,7 +329,6 @@ def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):
 def test_fsdp2_on_two_ranks_with_adamw_and_muon(tmp_path):
     """One launch (tests/dist/qkclip_worker.py): heads straddling the shards, the measured max against
     materialized logits, the clip on the gathered weights, and real runs' telemetry rows."""
-    from tests.dist.launch import run_workers
 
     out = run_workers(Path(__file__).parent / "dist" / "qkclip_worker.py", 2, str(tmp_path), timeout=300)
     assert "QKCLIP_WORKER_OK" in out
@@ -363,7 +368,7 @@ def test_compiled_training_steps_with_qk_clip_never_wait_for_the_gpu(tmp_path):
     overrides += ["train.qk_clip.tau=1.0", "logging.optimizer_telemetry=true", "logging.log_interval=2"]
     overrides += ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_at_end=false"]
     overrides += ["logging.console=plain", "train.max_steps=8"]
-    trainer = Trainer(to_object(load_config("tiny", overrides)))
+    trainer = Trainer(load_config("tiny", overrides))
     torch._dynamo.utils.counters.clear()
 
     def step(log: bool) -> None:

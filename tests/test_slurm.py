@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from muonrun.cli import app
-from muonrun.config import PRESET_DIR, load_config, to_object
+from muonrun.config import PRESET_DIR, load_config
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 from muonrun.launch.slurm import expand_hostlist, hostnames, launch_defaults
@@ -95,7 +95,7 @@ def test_several_tasks_per_node_is_a_user_error():
 def test_precedence_slurm_below_preset_overrides_and_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     env = launch_defaults(STEP)
-    c = to_object(load_config("tiny", [], environment=env))
+    c = load_config("tiny", [], environment=env)
     assert (c.launch.nnodes, c.launch.node_rank, c.launch.rdzv_endpoint, c.launch.rdzv_id) == (
         2,
         1,
@@ -104,7 +104,7 @@ def test_precedence_slurm_below_preset_overrides_and_flags(tmp_path, monkeypatch
     )
     preset = tmp_path / "p.yaml"
     preset.write_text(f"defaults: [{PRESET_DIR / 'tiny.yaml'}]\nlaunch:\n  rdzv_id: from-config\n")
-    c = to_object(load_config(str(preset), ["launch.node_rank=0"], environment=env))
+    c = load_config(str(preset), ["launch.node_rank=0"], environment=env)
     assert c.launch.rdzv_id == "from-config" and c.launch.node_rank == 0 and c.launch.nnodes == 2
 
 
@@ -121,9 +121,7 @@ def test_cli_flags_beat_slurm_in_a_dry_run(monkeypatch):
 
 
 def test_dp_replicate_minus_one_is_one_replica_per_node():
-    c = to_object(
-        load_config("tiny", ["parallel.dp_replicate=-1", "launch.nnodes=4", "launch.rdzv_endpoint=h:1"])
-    )
+    c = load_config("tiny", ["parallel.dp_replicate=-1", "launch.nnodes=4", "launch.rdzv_endpoint=h:1"])
     assert mesh_shape(c, 32) == (4, 8)
     with pytest.raises(UserError, match=r"dp_replicate=-1 \(one per node: 4\)"):
         mesh_shape(c, 6)

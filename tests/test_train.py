@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_checkpoint import muonrun
+from helpers import muonrun
 
 pytestmark = pytest.mark.slow
 

@@ -5,20 +5,24 @@ parts), `stop` (stop requests). See docs/checkpoints.md.
 
 from muonrun.checkpoint.checkpointer import WRITER_THREADS, Checkpointer, rank_state_file
 from muonrun.checkpoint.files import (
+    CONFIG,
     META,
     DamagedCheckpoint,
+    check_run_folder,
     checkpoints_of,
     complete_checkpoints,
     is_complete,
     read_meta,
     resolve_checkpoint,
     verify,
+    write_run_config,
 )
 from muonrun.checkpoint.safe import UntrustedFile, load_model_tensors, load_rank_state
 from muonrun.checkpoint.states import ModelState, OptimizerState, RNGState
 from muonrun.checkpoint.stop import StopFlag
 
 __all__ = [
+    "CONFIG",
     "META",
     "WRITER_THREADS",
     "Checkpointer",
@@ -28,6 +32,7 @@ __all__ = [
     "RNGState",
     "StopFlag",
     "UntrustedFile",
+    "check_run_folder",
     "checkpoints_of",
     "complete_checkpoints",
     "is_complete",
@@ -37,4 +42,5 @@ __all__ = [
     "read_meta",
     "resolve_checkpoint",
     "verify",
+    "write_run_config",
 ]

@@ -25,18 +25,18 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from muonrun import __version__, faults
+from muonrun import __version__, faults, log
 from muonrun.checkpoint.files import (
+    CONFIG,
     META,
     STEP_DIR,
     Verdict,
@@ -52,9 +52,18 @@ from muonrun.checkpoint.files import (
 )
 from muonrun.checkpoint.safe import load_rank_state, safe_load
 from muonrun.checkpoint.stop import StopFlag
-from muonrun.config import CheckpointConfig
+from muonrun.config import CheckpointConfig, differences
 from muonrun.distributed import Dist
 from muonrun.errors import UserError
+
+# The settings that decide which tensors a checkpoint holds, and their shapes.
+STATE_SHAPING = (
+    "model",
+    "optimizer.name",
+    "optimizer.muon.variant",
+    "optimizer.muon.muon_patterns",
+    "optimizer.muon.adamw_patterns",
+)
 
 # Threads writing each rank's share (DCP's FileSystemWriter: one file per thread). DCP's default of one
 # leaves a fast disk idle; four reach a local NVMe disk's fsynced write speed, more do not help
@@ -75,17 +84,27 @@ def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
     return checkpoint / f"rank{rank if saved_by == world_size else 0}.pt"
 
 
-def _log(msg: str, loud: bool = False) -> None:
-    print(f"muonrun: {'WARNING: ' if loud else ''}{msg}", file=sys.stderr if loud else sys.stdout, flush=True)
+@dataclass
+class PendingSave:
+    """An async save whose files are still being written (and then hashed) behind training."""
+
+    step: int
+    tmp: Path
+    final: Path
+    tokens_seen: int
+    hashed: Future
+    """This rank's file hashes and the seconds they took, once DCP's write finished."""
 
 
 class Checkpointer:
-    """Built from the parts it saves: `states` (sharded, through DCP; `states["train"]` holds `step`
-    and `tokens_seen`) and `rank_states` (this rank's own: data position, RNG). `confirm()` is called
-    before any save and raises if the step just taken must not be saved (a non-finite loss).
+    """Built from the parts it saves: `states` (sharded, through DCP) and `rank_states` (this rank's
+    own: data position, RNG). The trainer tells it each step's number and tokens seen; before a step
+    that `due` names it first makes sure the step may be saved (all ranks agreed it is finite).
     `identity` ({what: {"name_or_path": ..., "fingerprint": ...}}, e.g. a LoRA run's base model) is what
     the saved states only make sense on top of: written into every checkpoint, and a checkpoint whose
-    fingerprints differ is refused at load."""
+    fingerprints differ is refused at load. `config_yaml` (the run's resolved config) is saved into every
+    checkpoint as config.yaml, covered by the manifest: the copy export reads, and what a checkpoint
+    that does not fit this run is compared with to name the settings that changed."""
 
     def __init__(
         self,
@@ -94,16 +113,17 @@ class Checkpointer:
         d: Dist,
         states: dict,
         rank_states: dict,
-        confirm: Callable[[], None] = lambda: None,
         identity: dict[str, dict] | None = None,
+        config_yaml: str | None = None,
     ):
         self.cfg, self.root, self.dist = cfg, root, d
+        self.config_yaml = config_yaml
         self.identity = identity or {}
-        self.states, self.rank_states, self.confirm = states, rank_states, confirm
+        self.states, self.rank_states = states, rank_states
         self.flag = StopFlag()
         self._published: int | None = None
         self._stopping = False
-        self._pending = None  # (step, tmp, final, tokens_seen, future) of an async save
+        self._pending: PendingSave | None = None
         # An async save's files are hashed on this thread once written, so the training thread only
         # waits for the manifest and the rename.
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonrun-hash")
@@ -124,7 +144,7 @@ class Checkpointer:
         """[this rank got a stop signal, this rank's async write is still running]. The trainer reduces
         them (MAX) over all ranks in the one per-step collective it makes anyway, then hands the agreed
         values to `agree`."""
-        writing = self._pending is not None and not self._pending[-1].done()
+        writing = self._pending is not None and not self._pending.hashed.done()
         return [float(self.flag.raised is not None), float(writing)]
 
     def agree(self, stop: float, writing: float) -> None:
@@ -134,23 +154,26 @@ class Checkpointer:
             self._finish_pending()
         self._stopping = stop > 0
 
-    def after_step(self, step: int, last: bool) -> bool:
+    def due(self, step: int, last: bool) -> bool:
+        """Whether `after_step` may save at this step (the interval, a stop request, the last step): the
+        trainer settles the step's agreement first, which may stop the run or raise the stop flag."""
+        return last or self._stopping or (bool(self.cfg.interval) and step % self.cfg.interval == 0)
+
+    def after_step(self, step: int, tokens_seen: int, last: bool) -> bool:
         """Save when the interval says so, when a stop was requested, or after the last step
         (checkpoint.save_at_end). Returns whether training must stop now."""
-        due = bool(self.cfg.interval) and step % self.cfg.interval == 0
-        if due or last or self._stopping:
-            self.confirm()  # may raise (non-finite step) or raise the stop flag
-            if (due or self._stopping or (last and self.cfg.save_at_end)) and not self.has(step):
-                self.save(step, last=last or self._stopping)
+        interval = bool(self.cfg.interval) and step % self.cfg.interval == 0
+        if (interval or self._stopping or (last and self.cfg.save_at_end)) and not self.has(step):
+            self.save(step, tokens_seen, last=last or self._stopping)
         return self._stopping
 
     def has(self, step: int) -> bool:
-        pending = self._pending is not None and self._pending[0] == step
+        pending = self._pending is not None and self._pending.step == step
         return pending or self._published == step
 
     # -- save
 
-    def save(self, step: int, last: bool = True) -> Path:
+    def save(self, step: int, tokens_seen: int, last: bool = True) -> Path:
         """Write step-N.tmp on every rank, then publish it as step-N (collective). `last`: write
         synchronously even with checkpoint.async_save (the run ends right after)."""
         self._finish_pending()
@@ -158,26 +181,22 @@ class Checkpointer:
         if self.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            if self.config_yaml is not None:
+                write_synced(tmp / CONFIG, self.config_yaml.encode())
         dist.barrier()
         own = {key: part.state_dict() for key, part in self.rank_states.items()}
         own["world_size"] = self.dist.world_size
         with open(tmp / f"rank{self.dist.rank}.pt", "wb") as f:
             torch.save(own, f)
             f.flush()
-        tokens_seen = int(self.states["train"].state_dict()["tokens_seen"])
         state = {key: part.state_dict() for key, part in self.states.items()}
         if self.cfg.async_save and not last:
             # Staging copies the state to CPU memory before async_save returns; the write runs behind
             # the next training steps and is published at the next save (or at the end).
             response = dcp.async_save(state, storage_writer=storage_writer(tmp), process_group=self._pg)
             written = getattr(response, "upload_completion", response)
-            self._pending = (
-                step,
-                tmp,
-                final,
-                tokens_seen,
-                self._hasher.submit(self._write_then_hash, written, tmp),
-            )
+            hashed = self._hasher.submit(self._write_then_hash, written, tmp)
+            self._pending = PendingSave(step, tmp, final, tokens_seen, hashed)
             faults.during_save(step, self.dist.rank)
             return final
         started = time.perf_counter()
@@ -200,12 +219,19 @@ class Checkpointer:
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        step, tmp, final, tokens_seen, future = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
         started = time.perf_counter()
-        own = future.result()
+        own = pending.hashed.result()
         dist.barrier()  # every rank's files are written, closed and hashed
-        self._publish(step, tmp, final, tokens_seen, time.perf_counter() - started, own, background=True)
+        self._publish(
+            pending.step,
+            pending.tmp,
+            pending.final,
+            pending.tokens_seen,
+            time.perf_counter() - started,
+            own,
+            background=True,
+        )
 
     def _own_files(self, tmp: Path) -> list[Path]:
         """The files this rank wrote (DCP names its files `__RANK_THREAD.distcp`); rank 0 also the metadata."""
@@ -254,7 +280,7 @@ class Checkpointer:
                     shutil.rmtree(aside, ignore_errors=True)
                     final.rename(aside)
                     self._damaged.discard(final)
-                    _log(f"the damaged {final} was set aside as {aside.name} (not deleted)", loud=True)
+                    log.warning(f"the damaged {final} was set aside as {aside.name} (not deleted)")
                 else:
                     replaced = final.with_name(f"{final.name}.replaced")
                     shutil.rmtree(replaced, ignore_errors=True)
@@ -265,7 +291,7 @@ class Checkpointer:
                 shutil.rmtree(replaced, ignore_errors=True)
             prune(self.root, self.cfg.keep_last, self._damaged)
             how = "written and hashed in the background" if background else f"written in {seconds:.1f}s"
-            _log(f"checkpoint {final} saved ({how}; checksums {hash_seconds:.1f}s)")
+            log.info(f"checkpoint {final} saved ({how}; checksums {hash_seconds:.1f}s)")
         dist.barrier()
         self._published = step
 
@@ -306,10 +332,9 @@ class Checkpointer:
                     ("error", f"checkpoint.{'resume_from' if ck.resume_from else 'init_from'}: {e}", True)
                 ]
             if result and result[0][0] == "resume" and ck.init_from:
-                _log(
+                log.warning(
                     f"checkpoint.init_from='{ck.init_from}' is IGNORED: resuming from {result[0][1]} instead "
-                    "(a run resumes its own checkpoints; use a new output_dir to start from init_from).",
-                    loud=True,
+                    "(a run resumes its own checkpoints; use a new output_dir to start from init_from)."
                 )
         box = [result]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -335,12 +360,8 @@ class Checkpointer:
             path = Path(path)
             verdict = self._verify(path)
             if verdict.ok:
-                if self.dist.is_main and not verdict.checked:
-                    _log(
-                        f"{path} has no checksums (an older muonrun wrote it): loaded unverified.", loud=True
-                    )
                 if self.dist.is_main and skipped:
-                    _log(f"resuming from {path}, the newest checkpoint that verifies.", loud=True)
+                    log.warning(f"resuming from {path}, the newest checkpoint that verifies.")
                 return kind, path
             error = verdict.error()
             if explicit:
@@ -348,7 +369,7 @@ class Checkpointer:
             self._damaged.add(path)
             skipped.append(path)
             if self.dist.is_main:
-                _log(f"{error} Skipped: trying the next newest checkpoint.", loud=True)
+                log.warning(f"{error} Skipped: trying the next newest checkpoint.")
         if skipped:
             raise UserError(
                 f"No checkpoint in '{self.root}' verifies ({', '.join(p.name for p in skipped)} are damaged, see "
@@ -367,7 +388,7 @@ class Checkpointer:
         if kind == "init":
             self._dcp_load({"model": self.states["model"]}, path)
             if self.dist.is_main:
-                _log(
+                log.info(
                     f"weights initialised from {path} (checkpoint.init_from; optimizer and data start fresh)"
                 )
             return path
@@ -380,7 +401,7 @@ class Checkpointer:
         if self.dist.is_main:
             saved_by = read_meta(path)["world_size"]
             resharded = f" (saved by {saved_by} ranks, resharded)" if saved_by != self.dist.world_size else ""
-            _log(f"resumed from {path} at step {step}{resharded}")
+            log.info(f"resumed from {path} at step {step}{resharded}")
         return path
 
     def _check_identity(self, path: Path) -> None:
@@ -406,8 +427,7 @@ class Checkpointer:
             "a new output_dir."
         )
 
-    @staticmethod
-    def _dcp_load(state: dict, path: Path) -> None:
+    def _dcp_load(self, state: dict, path: Path) -> None:
         try:
             safe_load(state, path)
         except UserError:
@@ -415,9 +435,26 @@ class Checkpointer:
         except Exception as e:  # a different model or optimizer than the one that wrote it
             raise UserError(
                 f"Checkpoint '{path}' does not fit this run's model/optimizer: {str(e).splitlines()[0][:300]} "
-                "Resume with the same model and optimizer.name, or start a new output_dir "
-                "(checkpoint.init_from loads weights only)."
+                f"{self._changed_settings(path)}Resume with the same model and optimizer.name, or start a new "
+                "output_dir (checkpoint.init_from loads weights only)."
             ) from None
+
+    def _changed_settings(self, path: Path) -> str:
+        """The model/optimizer settings in which this run differs from the config the checkpoint was saved
+        with (a sentence, or nothing when the checkpoint carries no config)."""
+        saved = path / CONFIG
+        if self.config_yaml is None or not saved.is_file():
+            return ""
+        try:
+            changed = differences(saved.read_text(), self.config_yaml, STATE_SHAPING)
+        except Exception:  # noqa: BLE001 (only ever on the way to an error: say less rather than fail)
+            return ""
+        shown = "; ".join(changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
+        return (
+            f"Since that checkpoint was saved these settings changed (saved -> now): {shown}. "
+            if changed
+            else ""
+        )
 
     # -- end
 
@@ -430,7 +467,7 @@ class Checkpointer:
         published, since the other ranks may be gone."""
         if self._pending is not None:
             with contextlib.suppress(Exception):
-                self._pending[-1].result(timeout=600)
+                self._pending.hashed.result(timeout=600)
             self._pending = None
         self._hasher.shutdown(wait=False)
         self.flag.restore()

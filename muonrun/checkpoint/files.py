@@ -1,8 +1,9 @@
 """A checkpoint on disk: where checkpoints are, which are complete, and whether their bytes are intact.
 
 A checkpoint is a folder OUTPUT_DIR/checkpoints/step-N holding DCP's `.metadata` and `__R_T.distcp`
-files, one `rankR.pt` per rank (data-loader position and RNG states) and `muonrun.json`, written last
-by rank 0 before the folder is renamed from `step-N.tmp` into place. `muonrun.json` carries the
+files, one `rankR.pt` per rank (data-loader position and RNG states), `config.yaml` (the resolved config
+it was saved with, which resume, export and verify read) and `muonrun.json`, written last by rank 0
+before the folder is renamed from `step-N.tmp` into place. `muonrun.json` carries the
 manifest: the size and SHA-256 of every other file, each hashed by the rank that wrote it, plus a
 checksum of the manifest itself. `verify` compares a folder with its manifest, so a checkpoint
 damaged after it was written (a bad disk, a partial copy, a flaky network filesystem) is found
@@ -27,6 +28,7 @@ from muonrun.errors import UserError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "muonrun.json"
+CONFIG = "config.yaml"  # in a checkpoint: the config it was saved with; in a run folder: its current one
 # Files hashed at once per rank: hashlib releases the GIL on large buffers, so a rank's few files
 # hash in parallel (each thread reads a file the save has just written, mostly from the page cache).
 HASH_THREADS = 4
@@ -74,6 +76,30 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return checkpoints_of(path)[-1]
 
 
+def check_run_folder(out: Path) -> None:
+    """A run's output_dir must not lie inside a checkpoint or another run's `checkpoints/` folder: the run
+    would write into what the other run verifies, prunes and resumes from (which then calls its
+    checkpoint damaged). Checked before any worker starts; raises UserError."""
+    out = Path(out).resolve()
+    for p in (out, *out.parents):
+        if is_complete(p) or (p.parent.name == "checkpoints" and STEP_DIR.match(p.name.split(".")[0])):
+            raise UserError(
+                f"output_dir '{out}' {'is' if p == out else 'is inside'} the checkpoint '{p}': a run there would write into that "
+                "checkpoint, which its own run then finds damaged. Set output_dir to a folder of its own "
+                "(beside that run, not in it)."
+            )
+        run = p.parent
+        if p.name == "checkpoints" and (
+            (run / CONFIG).is_file() or (run / "metrics.jsonl").is_file() or complete_checkpoints(p)
+        ):
+            where = "is" if p == out else "is inside"
+            raise UserError(
+                f"output_dir '{out}' {where} the checkpoints folder of the run in '{run}': a run there would "
+                "mix its files with that run's checkpoints. Set output_dir to a folder of its own (beside that "
+                "run, not in it)."
+            )
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -105,7 +131,7 @@ class DamagedCheckpoint(UserError):
 
 
 def read_meta(checkpoint: Path) -> dict:
-    """The checkpoint's `muonrun.json`, checked against its own checksum when it has one."""
+    """The checkpoint's `muonrun.json`, checked against its own checksum."""
     path = checkpoint / META
     try:
         meta = json.loads(path.read_text())
@@ -115,7 +141,7 @@ def read_meta(checkpoint: Path) -> dict:
         raise DamagedCheckpoint(
             f"Checkpoint '{checkpoint}' is damaged: its {META} cannot be read ({str(e).splitlines()[0]})."
         ) from None
-    if "manifest_sha256" in meta and meta["manifest_sha256"] != _manifest_checksum(meta):
+    if meta.get("manifest_sha256") != _manifest_checksum(meta):
         raise DamagedCheckpoint(
             f"Checkpoint '{checkpoint}' is damaged: its {META} does not match its own checksum (its bytes "
             "changed after the save)."
@@ -125,11 +151,10 @@ def read_meta(checkpoint: Path) -> dict:
 
 @dataclass
 class Verdict:
-    """What `verify` found: problems (empty when intact) and whether there was a manifest to check."""
+    """What `verify` found: problems (empty when intact)."""
 
     checkpoint: Path
     problems: list[str] = field(default_factory=list)
-    checked: bool = True  # False: written without a manifest, nothing to compare with
 
     @property
     def ok(self) -> bool:
@@ -157,8 +182,8 @@ def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), hash_contents: boo
         verdict.problems.append(f"{META} cannot be trusted ({str(e).split(': ', 1)[-1]})")
         return verdict
     expected: dict[str, dict] | None = meta.get("files")
-    if expected is None:
-        verdict.checked = False
+    if not isinstance(expected, dict):
+        verdict.problems.append(f"{META} lists no files to check")
         return verdict
     present = {p.name for p in checkpoint.iterdir() if p.name != META}
     for name in sorted(set(expected) - present):
@@ -205,6 +230,15 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_run_config(output_dir: Path, text: str) -> None:
+    """OUTPUT_DIR/config.yaml: the config of the training that runs in the folder, written (atomically) by
+    rank 0 once its checkpoint is loaded, so a command refused before that leaves the file as it was."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / f".{CONFIG}.tmp"
+    write_synced(tmp, text.encode())
+    tmp.replace(output_dir / CONFIG)
 
 
 def write_synced(path: Path, data: bytes) -> None:

@@ -1,21 +1,20 @@
 """Typed configuration: `schema` (the dataclasses; their field docstrings are the reference docs),
 `load` (presets, `defaults:`, overrides, validation) and `docs` (`muonrun config docs`).
 
-    from muonrun.config import load_config, to_object
-    cfg = to_object(load_config("tiny", ["train.max_steps=10"]))
+    from muonrun.config import load_config
+    cfg = load_config("tiny", ["train.max_steps=10"])      # the typed Config, validated
 """
 
 from muonrun.config.docs import field_docs, markdown_table
 from muonrun.config.load import (
     DEFAULT_PRESET,
     PRESET_DIR,
-    RETIRED_KEYS,
     choices,
+    differences,
     from_yaml,
     load_config,
     preset_names,
     resolve_preset,
-    to_object,
     to_yaml,
     validate,
 )
@@ -38,7 +37,6 @@ from muonrun.config.schema import (
 __all__ = [
     "DEFAULT_PRESET",
     "PRESET_DIR",
-    "RETIRED_KEYS",
     "CheckpointConfig",
     "Config",
     "DataConfig",
@@ -53,13 +51,13 @@ __all__ = [
     "SourceConfig",
     "TrainConfig",
     "choices",
+    "differences",
     "field_docs",
     "from_yaml",
     "load_config",
     "markdown_table",
     "preset_names",
     "resolve_preset",
-    "to_object",
     "to_yaml",
     "validate",
 ]

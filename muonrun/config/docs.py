@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import typing
 
 from omegaconf import DictConfig, ListConfig
 
@@ -32,6 +33,7 @@ def field_docs(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, str
     """{dotted key: (type, default, docstring)}; a closed set of values is part of the type."""
     docs = _docstrings(cls)
     out: dict[str, tuple[str, str, str]] = {}
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
@@ -45,7 +47,8 @@ def field_docs(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, str
             and dataclasses.is_dataclass(default[0] if isinstance(default, list) else None)
         ):
             default = "[...]"
-        typ = " / ".join(f.metadata["choices"]) if "choices" in f.metadata else str(f.type)
+        allowed = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
+        typ = " / ".join(allowed) if allowed else str(f.type)
         out[key] = (typ, repr(default), docs.get(f.name, ""))
     if cls is DataConfig:
         out.update(field_docs(SourceConfig, f"{prefix}sources[]."))

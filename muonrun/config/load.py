@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sysconfig
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -114,21 +116,12 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, bool]]:
     return parsed
 
 
-# Keys that existed once: a saved config.yaml holding one still loads (the key is dropped), and an
-# override or preset setting one is told why it went.
-RETIRED_KEYS = {
-    "train.sync_each_step": "It was removed: a host sync after each step never made training faster",
-}
-
-
 _ABSENT = object()  # OmegaConf.select's default: tells a missing key from one set to None
 
 
 def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
     """The keys a mistyped one may have meant: the first part of its path that does not exist is matched
     against the keys beside it (`trian.max_steps` finds 'train.max_steps')."""
-    if full_key in RETIRED_KEYS:
-        return f" {RETIRED_KEYS[full_key]}; delete the setting."
     parts, node = full_key.split("."), cfg
     for i, part in enumerate(parts):
         if isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
@@ -154,6 +147,12 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
         key = e.full_key or str(e.key)
         raise UserError(f"Unknown config key '{key}' in {source}.{_did_you_mean(base, key)}") from None
     except ValidationError as e:
+        allowed = choices().get(e.full_key)
+        if allowed:
+            value = OmegaConf.select(OmegaConf.create(layer), e.full_key)
+            raise UserError(
+                f"Config key '{e.full_key}' is '{value}'; choose one of: {', '.join(allowed)} (set in {source})."
+            ) from None
         raise UserError(
             f"Config key '{e.full_key}' in {source} has the wrong type: {e.msg.splitlines()[0]}."
         ) from None
@@ -219,10 +218,11 @@ def load_config(
     preset: str | os.PathLike | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     environment: dict[str, Any] | None = None,
-) -> DictConfig:
+) -> Config:
     """Schema defaults < `environment` ({dotted key: value}, e.g. from SLURM) < preset (with its
-    `defaults:` bases) < `key=value` overrides, validated. A `preset` that is itself a `key=value`
-    (and no file) is the first override of the default preset: `muonrun pretrain train.max_steps=5`."""
+    `defaults:` bases) < `key=value` overrides, validated: the typed config, made here once. A `preset`
+    that is itself a `key=value` (and no file) is the first override of the default preset:
+    `muonrun pretrain train.max_steps=5`."""
     if preset is not None and "=" in str(preset) and not Path(preset).is_file():
         preset, overrides = None, [str(preset), *overrides]
     path = resolve_preset(preset or DEFAULT_PRESET)
@@ -232,55 +232,95 @@ def load_config(
     cfg = _merge(cfg, _load_yaml(path), f"'{path}'")
     for key, value, add in _parse_overrides(list(overrides)):
         cfg = _apply_override(cfg, key, value, add)
-    validate(cfg)
-    return cfg
+    return validate(cfg)
 
 
-def to_object(cfg: DictConfig) -> Config:
+def _typed(cfg: DictConfig) -> Config:
     """Resolve interpolations and turn the OmegaConf tree into the typed dataclasses (which runs each
     section's own checks)."""
-    return OmegaConf.to_object(cfg)
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None
 
 
-def from_yaml(text: str) -> DictConfig:
-    """Rebuild a validated config from `to_yaml` output: how the launcher hands the config to workers, and
-    how a run's saved config.yaml is read back (`muonrun export`)."""
-    saved = OmegaConf.create(text)
-    for key in RETIRED_KEYS:  # config.yaml of a run saved before the key was retired
-        parent_key, _, leaf = key.rpartition(".")
-        parent = OmegaConf.select(saved, parent_key)
-        if isinstance(parent, DictConfig) and leaf in parent:
-            del parent[leaf]
-    return _merge(OmegaConf.structured(Config), saved, "from the launcher")
+def from_yaml(text: str, source: str = "from the launcher") -> Config:
+    """The typed config from `to_yaml` output: how the launcher hands the config to workers, and how a
+    checkpoint's saved config.yaml is read back (`muonrun export`). `source` names it in errors."""
+    try:
+        saved = OmegaConf.create(text)
+    except Exception as e:  # yaml's parser errors
+        raise UserError(f"Config {source} is not valid YAML: {' '.join(str(e).split())[:300]}.") from None
+    if not isinstance(saved, DictConfig):
+        raise UserError(f"Config {source} must hold a mapping of keys, not a {type(saved).__name__}.")
+    return _typed(_merge(OmegaConf.structured(Config), saved, source))
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _flat(node: Any, key: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        return {
+            k: v
+            for name, child in node.items()
+            for k, v in _flat(child, f"{key}.{name}" if key else name).items()
+        }
+    return {key: node}
+
+
+def differences(old_yaml: str, new_yaml: str, keys: tuple[str, ...]) -> list[str]:
+    """`key: OLD -> NEW` for every setting under `keys` (dotted keys or whole sections) whose value
+    differs between two saved configs (e.g. a checkpoint's config.yaml and this run's)."""
+    old, new = (
+        _flat(OmegaConf.to_container(OmegaConf.create(t), resolve=True)) for t in (old_yaml, new_yaml)
+    )
+    under = [k for k in dict.fromkeys([*old, *new]) if any(k == p or k.startswith(f"{p}.") for p in keys)]
+    missing = "(not set)"
+    return [
+        f"{k}: {old.get(k, missing)} -> {new.get(k, missing)}"
+        for k in under
+        if old.get(k, missing) != new.get(k, missing)
+    ]
 
 
 def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
-    """{dotted key: allowed values} of every `one_of` field in the schema."""
+    """{dotted key: allowed values} of every `Literal` field in the schema."""
     out: dict[str, tuple[str, ...]] = {}
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if "choices" in f.metadata:
-            out[f"{prefix}{f.name}"] = f.metadata["choices"]
-        elif f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(
-            sub := f.default_factory()
-        ):
-            out.update(choices(type(sub), f"{prefix}{f.name}."))
+        hint = hints[f.name]
+        if typing.get_origin(hint) is typing.Literal:
+            out[f"{prefix}{f.name}"] = typing.get_args(hint)
+        elif dataclasses.is_dataclass(hint):
+            out.update(choices(hint, f"{prefix}{f.name}."))
     return out
 
 
-def validate(cfg: DictConfig) -> None:
-    """The checks no single section can make, after the sections' own (run by `to_object`). Raises UserError."""
-    try:
-        c = to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None
-    for key, allowed in choices().items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise UserError(f"Config key '{key}' is '{value}'; choose one of: {', '.join(allowed)}.")
+def _non_finite(node: Any, key: str = "") -> tuple[str, float] | None:
+    """The first float in a resolved config tree that is nan or inf, with its dotted key."""
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return (key, node) if isinstance(node, float) and not math.isfinite(node) else None
+    for k, v in items:
+        found = _non_finite(v, f"{key}.{k}" if key else str(k))
+        if found:
+            return found
+    return None
+
+
+def validate(cfg: DictConfig) -> Config:
+    """The typed config, after the checks no single section can make (the sections' own run as it is
+    typed). Raises UserError; a setting that will run, but not as its user likely means, is warned about."""
+    c = _typed(cfg)
+    # nan and inf pass every range check (a comparison with nan is False), so they are refused here, once
+    found = _non_finite(OmegaConf.to_container(cfg, resolve=True))
+    if found:
+        raise UserError(f"Config key '{found[0]}' is {found[1]}; it must be a finite number.")
     if not c.data.sources:
         raise UserError("Config key 'data.sources' is empty; list at least one source with a `path`.")
     for group in ("sources", "eval_sources"):
@@ -306,3 +346,14 @@ def validate(cfg: DictConfig) -> None:
             "Config key 'parallel.float8' is set with model.lora.enabled: float8 matmuls are not available "
             "for LoRA's frozen layers yet. Set parallel.float8=none."
         )
+    warmup, steps = c.schedule.warmup_steps, c.train.max_steps
+    if warmup >= steps:
+        from muonrun import log  # installs the "muonrun" logger's handler: only when there is a warning
+
+        log.warning(
+            f"schedule.warmup_steps ({warmup}) is not shorter than train.max_steps ({steps}): the learning rate "
+            f"rises for the whole run, reaching {steps / warmup:.0%} of its peak at the last step, and the "
+            f"{c.schedule.name} schedule's decay never starts. Lower schedule.warmup_steps (a few percent of "
+            "train.max_steps is usual)."
+        )
+    return c

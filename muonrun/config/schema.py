@@ -1,24 +1,18 @@
 """The typed configuration: one dataclass per section, a docstring under every field.
 
 Those docstrings are the reference documentation (`muonrun config docs` prints them as a table). A
-field with a closed set of values declares it beside itself with `one_of(default, *others)`; range
+field with a closed set of values is a `Literal` (OmegaConf refuses other values; `load.choices` lists them); range
 checks that need only their own section live in that section's `__post_init__`, which runs whenever
-OmegaConf turns a config into these objects (`load.to_object`). Checks across sections are in
-`load.validate`.
+OmegaConf turns a config into these objects (`load._typed`). Checks across sections, and the one
+that every float anywhere is finite (`nan` and `inf` pass a range check), are in `load.validate`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from muonrun.errors import UserError
-
-
-def one_of(default: str, *others: str) -> Any:
-    """A string field whose value must be `default` or one of `others` (checked by `load.validate`,
-    listed by `muonrun config docs`)."""
-    return field(default=default, metadata={"choices": (default, *others)})
 
 
 def _at_least(minimum: float, **values: float) -> None:
@@ -87,7 +81,7 @@ class ModelConfig:
     hf_extra_keys: list[str] = field(default_factory=list)
     """Keys of `model.hf` to pass to the transformers config even though its class does not define
     them (custom attributes a remote or patched model reads)."""
-    init: str = one_of("random", "pretrained")
+    init: Literal["random", "pretrained"] = "random"
     """`random` (fresh weights, seeded by train.seed) or `pretrained` (load `name_or_path`'s weights)."""
     attn_implementation: str = "sdpa"
     """transformers attention kernel: sdpa, eager, flash_attention_2 (if installed)."""
@@ -147,6 +141,12 @@ class DataConfig:
     (streaming: per pass over rank 0's share). JSON whose text changes type after the first 10 MB is
     misread by datasets and stops the run either way."""
 
+    strict_resume: bool = False
+    """What a resume does when the data changed since its checkpoint (a source file edited, added or
+    removed, another tokenizer or mixture weight; see docs/checkpoints.md, "Data identity"): False warns
+    once, naming the source and file, and trains on the data as it is now; True refuses to resume (exit 2).
+    A changed data.seq_len, micro-batch size or number of ranks is reported either way, never refused."""
+
     def __post_init__(self) -> None:
         _at_least(1, **{"data.seq_len": self.seq_len, "data.num_proc": self.num_proc})
 
@@ -162,28 +162,47 @@ class MuonConfig:
     nesterov: bool = True
     """Orthogonalize the Nesterov look-ahead instead of the momentum buffer."""
     ns_steps: int = 5
-    """Newton–Schulz iterations."""
-    ns_coefficients: str = one_of("default", "polar_express")
-    """`default` (3.4445, -4.7750, 2.0315) every iteration, or `polar_express` (per-iteration coefficients)."""
+    """Newton–Schulz iterations (at least 1)."""
+    ns_coefficients: Literal["default", "polar_express", "turbo"] = "default"
+    """`default` (3.4445, -4.7750, 2.0315) every iteration; `polar_express` (per-iteration
+    coefficients, arXiv:2505.16932: about half the default's distance to the polar factor at 5
+    iterations); or `turbo`, Turbo-Muon's 4-iteration table for `ns_precondition=aol` with
+    `ns_steps=4` (arXiv:2512.04632). A table shorter than `ns_steps` repeats its last row."""
     gram_ns: bool = False
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
     restart: the same iteration in exact arithmetic, about 40% fewer FLOPs on MLP-shaped matrices, as
     close to the exact polar factor in bf16 as the standard form, and the same loss curve. It pays
     where wide MLP matrices dominate the optimizer step (docs/performance.md). On in the Muon preset;
     off by default so that `muon` alone is torch.optim.Muon's iteration."""
-    adjust_lr_fn: str = one_of("original", "match_rms_adamw", "spectral")
+    adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
     """LR scaling per matrix shape A x B: `original` lr*sqrt(max(1, A/B)); `match_rms_adamw`
     lr*0.2*sqrt(max(A, B)) (reuse AdamW's lr); `spectral` lr*sqrt(A/B)."""
     eps: float = 1e-7
     """Added to the Frobenius norm before Newton–Schulz."""
-    variant: str = one_of("muon", "normuon")
+    variant: Literal["muon", "normuon"] = "muon"
     """`muon`, or `normuon` (NorMuon, arXiv:2510.05491): after Newton–Schulz, each row is divided by
     the root of an EMA of its mean square (`optimizer.muon.beta2`), then the matrix is rescaled to the
     Frobenius norm of an orthogonal one, so `adjust_lr_fn` applies as for Muon; with `match_rms_adamw`
     that is the paper's step 0.2 * lr * sqrt(A*B) / ||Ô||_F. Keeps one more fp32 number per matrix row."""
     beta2: float = 0.95
     """NorMuon's EMA coefficient for each row's second moment, in [0, 1) (unused by `muon`)."""
-    ns_dtype: str = one_of("auto", "bfloat16", "float32")
+    ns_precondition: Literal["frobenius", "aol"] = "frobenius"
+    """How Newton–Schulz scales its input: `frobenius` divides it by its Frobenius norm
+    (torch.optim.Muon's); `aol` scales row i by (sum_j |(X X^T)_ij|)^(-1/2) (Turbo-Muon's AOL
+    preconditioning, arXiv:2512.04632), read off the first iteration's own product. Its small
+    singular values start 1.2-3x larger, which lets Turbo-Muon's 4-iteration table
+    (`ns_coefficients=turbo`, `ns_steps=4`) stand in for 5 iterations: 20% fewer FLOPs in the
+    standard form, 11% in the Gram form (whose restart costs the same either way). It trades
+    closeness to the polar factor by spectrum: 2-3x closer on flat spectra, up to 1.7x farther on
+    steep ones (docs/performance.md, per preset shape), so it is not the default; try it where
+    Newton–Schulz dominates the step (one GPU, square matrices)."""
+    fused: bool | None = None
+    """Fewer passes over memory in Muon's step, the same arithmetic up to fp32 rounding: momentum,
+    Nesterov look-ahead and the cast into the bf16 exchange buffer as one compiled kernel, weight
+    decay and the update as another (torch.compile). Pays most on one GPU, where Muon's own
+    elementwise work is not shared across ranks; the first step compiles a few small kernels. None:
+    on for GPUs, off on CPU (`true` there runs the same ops eagerly, and says so once)."""
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
     several times slower (docs/performance.md)."""
@@ -193,14 +212,19 @@ class MuonConfig:
     """Parameter-name globs forced into AdamW."""
 
     def __post_init__(self) -> None:
-        _not_negative(**{"optimizer.muon.lr": self.lr, "optimizer.muon.ns_steps": self.ns_steps})
+        _not_negative(**{"optimizer.muon.lr": self.lr})
+        if self.ns_steps < 1:  # zero iterations would train with unorthogonalized momentum as "Muon"
+            raise UserError(
+                f"Config key 'optimizer.muon.ns_steps' is {self.ns_steps}; Muon needs at least 1 Newton–Schulz "
+                "iteration (5 is usual)."
+            )
         if not 0.0 <= self.beta2 < 1.0:
             raise UserError(f"Config key 'optimizer.muon.beta2' is {self.beta2}; it must be in [0, 1).")
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = one_of("adamw", "muon")
+    name: Literal["adamw", "muon"] = "adamw"
     """`adamw`, or `muon` (Muon for hidden matrices, AdamW for embeddings, LM head, norms and biases)."""
     lr: float = 3e-4
     """Peak learning rate of AdamW (with `muon`: of the embeddings, LM head, norms and biases)."""
@@ -225,7 +249,7 @@ class OptimizerConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = one_of("cosine", "linear", "constant", "wsd")
+    name: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     """`cosine`, `linear`, `constant` or `wsd` (warmup-stable-decay)."""
     warmup_steps: int = 0
     """Linear warmup from 0 to the peak learning rate."""
@@ -252,19 +276,19 @@ class ParallelConfig:
     node and replicates across nodes. -1: world_size / dp_replicate."""
     reshard_after_forward: bool = True
     """Free the gathered parameters after forward (less memory, one more all-gather in backward)."""
-    param_dtype: str = one_of("auto", "bfloat16", "float32")
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype of parameters in forward/backward: `auto` (bfloat16 on GPU, float32 on CPU),
     `bfloat16` or `float32`. The master copy and optimizer state stay in float32."""
-    reduce_dtype: str = one_of("float32", "bfloat16")
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter."""
-    activation_checkpointing: str = one_of("none", "full", "selective")
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """`none`, `full` (recompute every decoder layer) or `selective` (every other layer)."""
     compile: bool = False
     """torch.compile each decoder layer."""
     compile_loss: bool = False
     """torch.compile each loss chunk's softmax gradient into one pass over the bf16 logits (GPU; the
     eager path makes about six fp32 passes over every [chunk x vocab] block)."""
-    float8: str = one_of("none", "tensorwise", "rowwise")
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Run the decoder's large matmuls in float8 (torchao; `pip install 'muonrun[float8]'`, a GPU of
     compute capability 8.9+): `tensorwise` or `rowwise` scaling. Weights, optimizer state and Muon's
     Newton–Schulz are unchanged. Which Linear layers it serves follows torchao's size rule (small ones
@@ -314,7 +338,7 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 42
     """Seed for weights, data order and dropout."""
-    device: str = one_of("auto", "cuda", "cpu")
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     """`auto` (cuda when available, else cpu), `cuda` or `cpu`."""
     eval_interval: int = 0
     """Evaluate on data.eval_sources every N steps (0: never)."""
@@ -323,6 +347,10 @@ class TrainConfig:
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the fused LM head + cross-entropy (gradients computed chunk by chunk in
     forward), so the full fp32 logits never exist. 0: one chunk (fine for small vocabularies)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: weight of the router's load-balancing loss added to the LM loss
+    (logged apart as `aux_loss`; the logged `loss` is the LM loss). null: the model config's own
+    `router_aux_loss_coef` (0.001 for Qwen2-MoE); 0: no balancing. Dense models ignore it."""
     qk_clip: QKClipConfig = field(default_factory=QKClipConfig)
     """QK-clip (off by default): `train.qk_clip.tau`."""
 
@@ -336,6 +364,8 @@ class TrainConfig:
             },
         )
         _not_negative(**{"train.grad_clip": self.grad_clip, "train.eval_interval": self.eval_interval})
+        if self.router_aux_loss_coef is not None:
+            _not_negative(**{"train.router_aux_loss_coef": self.router_aux_loss_coef})
 
 
 @dataclass
@@ -372,7 +402,7 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 1
     """Log metrics every N steps (metrics are reduced across ranks only on these steps)."""
-    console: str = one_of("auto", "rich", "plain")
+    console: Literal["auto", "rich", "plain"] = "auto"
     """`auto` (rich live view on a terminal, plain lines otherwise), `rich` or `plain`."""
     tensorboard: bool = False
     """Also write TensorBoard event files to OUTPUT_DIR/tensorboard (needs the tensorboard extra)."""
@@ -426,7 +456,7 @@ class LaunchConfig:
     max_restarts: int = 0
     """Restart the workers this many times after a failure (they resume from the latest checkpoint). On
     several nodes every node restarts its workers together; a node's launcher must stay alive."""
-    backend: str = one_of("auto", "nccl", "gloo")
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: `auto` (nccl on GPU, gloo on CPU), `nccl` or `gloo`."""
 
     def __post_init__(self) -> None:
@@ -455,3 +485,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def tokens_per_step(self, world_size: int) -> int:
+        """Training tokens of one optimizer step over all `world_size` ranks."""
+        return self.train.micro_batch_size * self.train.grad_accum_steps * self.data.seq_len * world_size

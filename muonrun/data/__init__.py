@@ -10,7 +10,7 @@ Modules: tokenizer.py (byte / AutoTokenizer), formats.py (which builder reads a 
 (config -> datasets), records.py (records whose text is missing or not a string:
 data.skip_bad_records), cache.py (tokenized token streams on disk), loader.py (map-style order,
 sharding, mixing, state), streaming.py (streaming sources), batches.py (windows -> batches). Exercise it with
-`pytest tests/test_data.py` and measure it with `python scripts/bench_data.py`.
+`pytest tests/test_data.py` and measure it with `python benchmarks/bench_data.py`.
 """
 
 from muonrun.data.cache import CACHE_VERSION, TokenCache, cache_root, ensure_cached

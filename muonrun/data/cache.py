@@ -4,7 +4,8 @@ tokens.bin is the source's whole token stream (every document followed by EOS), 
 vocabulary fits, else uint32, read back as a numpy memmap. Windows of seq_len+1 tokens are a reshape
 of that stream, so the cache does not depend on seq_len and changing it does not retokenize. The key
 hashes the source (path, name, split, text field, and for local files each file's size and mtime), the
-tokenizer's fingerprint (vocabulary and EOS) and CACHE_VERSION.
+tokenizer's fingerprint (vocabulary and EOS) and CACHE_VERSION. meta.json also keeps what a run's data
+identity needs (identity.py): the SHA-256 of tokens.bin and each file's sampled fingerprint.
 
 Before tokenizing, the text column's bad records are counted (records.py; free for a string column:
 its null count is Arrow metadata). By default any stops the build; with data.skip_bad_records they are
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from muonrun.data.identity import fingerprints
 from muonrun.data.sources import load_parts, read_error, resolve_files
 from muonrun.data.tokenizer import encode_docs
 from muonrun.errors import UserError
@@ -46,6 +48,12 @@ CACHE_VERSION = 2
 def cache_root(data_cfg) -> Path:
     root = data_cfg.cache_dir or os.environ.get("MUONRUN_CACHE") or "~/.cache/muonrun"
     return Path(root).expanduser()
+
+
+def datasets_cache(data_cfg) -> str:
+    """Where `datasets` keeps its own files for local sources (the Arrow copy it reads them into, locks):
+    inside muonrun's cache, so nothing lands in ~/.cache/huggingface when data.cache_dir is set."""
+    return str(cache_root(data_cfg) / "datasets")
 
 
 def cache_key(src, tok, files: list[str] | None) -> dict:
@@ -176,14 +184,17 @@ def bad_records_error(src, key: str, parts, meta: dict) -> UserError:
     return bad_record_error(src, key, where, meta["skipped_records"], meta["num_records"])
 
 
-def _write_tokens(src, key: str, tok, num_proc: int, tmp: Path, files: list[str] | None, skip: bool) -> dict:
+def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | None) -> dict:
     """Tokenize the source into tmp/tokens.bin; returns meta."""
+    num_proc, skip = data_cfg.num_proc, data_cfg.skip_bad_records
     import pyarrow as pa
 
     from muonrun.data.records import good_texts
 
     started = time.time()
-    parts = load_parts(src, key, streaming=False, files=files)
+    # taken before reading, as the key's sizes and times were: what a run's data identity reuses
+    prints = fingerprints(files) if files is not None else {}
+    parts = load_parts(src, key, streaming=False, files=files, cache_dir=datasets_cache(data_cfg))
     if sum(len(p.ds) for p in parts) == 0:
         raise UserError(f"Source '{key}' ({src.path}, split '{src.split}') has no documents.")
     checked = _check_records(src, key, parts, skip)
@@ -196,6 +207,7 @@ def _write_tokens(src, key: str, tok, num_proc: int, tmp: Path, files: list[str]
 
     dtype = token_dtype(tok.vocab_size)
     num_tokens = num_docs = 0
+    digest = hashlib.sha256()  # of tokens.bin, as written: the source's exact identity (identity.py)
     with open(tmp / "tokens.bin", "wb") as out:
         for i, part in enumerate(parts):
             ds = part.ds
@@ -219,7 +231,9 @@ def _write_tokens(src, key: str, tok, num_proc: int, tmp: Path, files: list[str]
                 for chunk in table.column("ids").chunks:
                     ids = chunk.flatten().to_numpy()
                     assert ids.size == 0 or int(ids.max()) < tok.vocab_size, "token id beyond the vocabulary"
-                    out.write(ids.astype(dtype).tobytes())
+                    data = ids.astype(dtype).tobytes()
+                    out.write(data)
+                    digest.update(data)
                     num_tokens += ids.size
             del mapped
     for f in tmp.glob("ids*.arrow"):
@@ -233,6 +247,8 @@ def _write_tokens(src, key: str, tok, num_proc: int, tmp: Path, files: list[str]
         "dtype": dtype.name,
         "num_tokens": num_tokens,
         "num_docs": num_docs,
+        "tokens_sha256": digest.hexdigest(),
+        "fingerprints": prints,
         **checked,
         "build_seconds": round(time.time() - started, 3),
     }
@@ -251,7 +267,8 @@ def check_entry(entry: TokenCache, src, key: str, data_cfg, report: bool = True)
 
     skipped = entry.meta.get("skipped_records", 0)
     if skipped and not data_cfg.skip_bad_records:
-        parts = load_parts(src, key, streaming=False, files=resolve_files(src, key))
+        files = resolve_files(src, key)
+        parts = load_parts(src, key, streaming=False, files=files, cache_dir=datasets_cache(data_cfg))
         raise bad_records_error(src, key, parts, entry.meta)
     if skipped and report:
         report_skipped(("map", str(entry.path)), skipped_line(src, key, skipped, entry.meta["num_records"]))
@@ -275,7 +292,7 @@ def ensure_cached(src, key: str, tok, data_cfg, report: bool = True) -> TokenCac
         tmp.mkdir()
         try:
             log.info("tokenizing %s (%s) into %s", key, src.path, final)
-            meta = _write_tokens(src, key, tok, data_cfg.num_proc, tmp, files, data_cfg.skip_bad_records)
+            meta = _write_tokens(src, key, tok, data_cfg, tmp, files)
             meta["key"] = ckey
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             try:

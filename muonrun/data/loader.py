@@ -25,7 +25,6 @@ once early for a long pass). A streaming source checks each block as it reads it
 from __future__ import annotations
 
 import logging
-import warnings
 from itertools import islice
 
 import numpy as np
@@ -33,6 +32,7 @@ import torch
 
 from muonrun.data.batches import to_batch
 from muonrun.data.cache import TokenCache, ensure_cached
+from muonrun.data.identity import DataIdentity, describe_source, epoch_changed
 from muonrun.data.streaming import streaming_loader
 from muonrun.errors import UserError
 
@@ -62,6 +62,7 @@ class PackedLoader:
         self.dp_rank, self.dp_size, self.pin_memory = dp_rank, dp_size, pin_memory
         self.epoch, self.cursor = 0, 0
         self._orders: dict[int, np.ndarray] = {}
+        self.identity: DataIdentity | None = None  # saved with the position (training loaders)
 
     def _source_perm(self, s: int, lap: int) -> np.ndarray:
         n = int(self.sizes[s])
@@ -119,7 +120,8 @@ class PackedLoader:
         return to_batch(self._rows(ids), self.pin_memory)
 
     def state_dict(self) -> dict:
-        return {"kind": "packed", "epoch": self.epoch, "cursor": self.cursor, "epoch_size": self.epoch_size}
+        state = {"kind": "packed", "epoch": self.epoch, "cursor": self.cursor, "epoch_size": self.epoch_size}
+        return {**state, **(self.identity.state_dict() if self.identity else {})}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("kind") != "packed":
@@ -127,13 +129,13 @@ class PackedLoader:
                 f"The checkpoint's data state is '{sd.get('kind')}' but the data sources are map-style now; "
                 "resume with the same data.sources (the `streaming` setting included)."
             )
-        if sd["epoch_size"] != self.epoch_size:
-            warnings.warn(
-                f"The data changed since the checkpoint (epoch of {sd['epoch_size']} windows, now "
-                f"{self.epoch_size}); resuming at epoch {sd['epoch']}, sample {sd['cursor']} of the new data.",
-                stacklevel=2,
-            )
-        self.epoch, self.cursor = int(sd["epoch"]), int(sd["cursor"]) % self.epoch_size
+        reported = self.identity.on_resume(sd) if self.identity else False
+        cursor, size = int(sd["cursor"]), int(sd["epoch_size"])
+        if size != self.epoch_size:  # other windows: continue at the same fraction of the epoch
+            if not reported:
+                epoch_changed(size, self.epoch_size, cursor)
+            cursor = cursor * self.epoch_size // size
+        self.epoch, self.cursor = int(sd["epoch"]), cursor
 
 
 class EvalLoader:
@@ -147,16 +149,6 @@ class EvalLoader:
 
     def __iter__(self):
         return islice(self.make_loader(), self.num_batches)
-
-
-def _as_config(cfg):
-    from omegaconf import DictConfig
-
-    if isinstance(cfg, DictConfig):
-        from muonrun.config import to_object
-
-        return to_object(cfg)
-    return cfg
 
 
 def named_sources(cfg, split: str) -> list[tuple[str, object]]:
@@ -173,7 +165,6 @@ def build_loader(
     cfg, tok, dp_rank: int = 0, dp_size: int = 1, split: str = "train", pin_memory: bool = False
 ):
     """The training loader (infinite, stateful) or, with split="eval", the finite EvalLoader."""
-    cfg = _as_config(cfg)
     sources = named_sources(cfg, split)
     probs = _weights(sources)
     seed, batch = cfg.train.seed, cfg.train.micro_batch_size
@@ -190,18 +181,21 @@ def build_loader(
             )
 
         loader = make()  # opens every stream once, so a bad source fails here
-        return loader if split == "train" else EvalLoader(make, cfg.train.eval_steps)
+        if split != "train":
+            return EvalLoader(make, cfg.train.eval_steps)
+        loader.identity = data_identity(cfg, tok, sources, {}, dp_rank, dp_size)
+        return loader
 
-    windows = [
-        ensure_cached(src, key, tok, cfg.data, report=dp_rank == 0).windows(cfg.data.seq_len, key)
-        for key, src in sources
-    ]
+    entries = {key: ensure_cached(src, key, tok, cfg.data, report=dp_rank == 0) for key, src in sources}
+    windows = [entries[key].windows(cfg.data.seq_len, key) for key, _ in sources]
 
     def make():
         return PackedLoader(windows, probs, batch, seed, cfg.data.shuffle, dp_rank, dp_size, pin_memory)
 
     if split == "train":
-        return make()
+        loader = make()
+        loader.identity = data_identity(cfg, tok, sources, entries, dp_rank, dp_size)
+        return loader
     num = sum(len(w) for w in windows)
     per_step = batch * dp_size
     if num < per_step:
@@ -212,6 +206,23 @@ def build_loader(
     return EvalLoader(make, min(cfg.train.eval_steps, num // per_step))
 
 
+def data_identity(cfg, tok, sources, entries: dict, dp_rank: int, dp_size: int) -> DataIdentity:
+    """What the training loader saves beside its position (identity.py): the sources' identity on rank 0
+    (the one that reports), the layout on every rank. `entries`: map-style sources' cache entries."""
+    from muonrun.data.sources import resolve_files
+
+    identity = None
+    if dp_rank == 0:
+        identity = {
+            key: describe_source(
+                src, resolve_files(src, key), tok.fingerprint, entries[key].meta if key in entries else None
+            )
+            for key, src in sources
+        }
+    layout = {"seq_len": cfg.data.seq_len, "micro_batch_size": cfg.train.micro_batch_size, "dp_size": dp_size}
+    return DataIdentity(identity, layout, cfg.data.strict_resume)
+
+
 def _tokenizer_name(cfg) -> str:
     return cfg.data.tokenizer
 
@@ -219,11 +230,10 @@ def _tokenizer_name(cfg) -> str:
 def check_data(cfg):
     """Cheap validation in the launcher before workers start: sources, columns, tokenizer. Raises
     UserError; returns the tokenizer."""
-    from muonrun.data.cache import cached_entry, check_entry
+    from muonrun.data.cache import cached_entry, check_entry, datasets_cache
     from muonrun.data.sources import check_source
     from muonrun.data.tokenizer import build_tokenizer
 
-    cfg = _as_config(cfg)
     tok = build_tokenizer(_tokenizer_name(cfg))
     if cfg.data.shuffle_buffer < 1:
         raise UserError(
@@ -236,7 +246,7 @@ def check_data(cfg):
             if entry is not None:  # a cached Hub dataset needs no network
                 check_entry(entry, src, key, cfg.data, report=False)
                 continue
-            check_source(src, key, cfg.data.skip_bad_records)
+            check_source(src, key, cfg.data.skip_bad_records, datasets_cache(cfg.data))
     return tok
 
 
@@ -245,7 +255,6 @@ def prepare(cfg):
     from muonrun.data.cache import cache_root
     from muonrun.data.tokenizer import build_tokenizer
 
-    cfg = _as_config(cfg)
     tok = build_tokenizer(_tokenizer_name(cfg))
     splits = ["train"] + (["eval"] if cfg.data.eval_sources else [])
     for split in splits:

@@ -17,9 +17,9 @@ import bz2
 import gzip
 import json
 import lzma
-import sys
 from dataclasses import dataclass
 
+from muonrun import log
 from muonrun.data.formats import nonempty_files, reader_for
 from muonrun.errors import UserError
 
@@ -120,7 +120,7 @@ def problem(record, field: str) -> str:
     if isinstance(record, NotJson):
         return f"is not JSON ({record})"
     if not isinstance(record, dict):
-        return f"is {_short(record)} ({_kind(record)}), not an object with a '{field}' field"
+        return f"is not an object ({_short(record)}, {_kind(record)}) with a '{field}' field"
     if field not in record:
         fields = ", ".join(map(str, record)) or "none"
         return f"has no '{field}' field (its fields: {fields})"
@@ -176,10 +176,14 @@ def _json_records(path: str):
     that is not JSON gives a NotJson record."""
     if _is_array(path):
         with _open_binary(path) as f:
-            data = json.loads(f.read().decode("utf-8"))
-        for item in data if isinstance(data, list) else [data]:
-            yield None, item
-        return
+            try:
+                data = json.loads(f.read().decode("utf-8"))
+            except ValueError:  # lines that start with "[": JSON lines holding arrays, read line by line
+                data = None
+        if data is not None:
+            for item in data if isinstance(data, list) else [data]:
+                yield None, item
+            return
     with _open_binary(path) as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
@@ -317,7 +321,7 @@ def report_skipped(ident, line: str) -> None:
     if ident in _reported:
         return
     _reported.add(ident)
-    print(f"muonrun: {line}", file=sys.stdout, flush=True)
+    log.info(line, every_rank=True)
 
 
 def skipped_line(src, key: str, skipped: int, total: int, where: str = "") -> str:

@@ -105,10 +105,12 @@ def read_error(e: Exception, src, key: str, files: list[str] | None) -> UserErro
 
 def _json_layout_error(e: BaseException) -> bool:
     """datasets' JSON reader failed on a record that does not fit the columns or types it had settled on
-    (from the first 10 MB of the first file), or on a line that is not JSON."""
+    (from the first 10 MB of the first file), or on a line that is not JSON or not an object (pandas'
+    fallback reader then says "Trailing data")."""
     text = str(e)
     return type(e).__name__ in ("CastError", "ArrowInvalid", "ArrowTypeError", "JSONDecodeError") or any(
-        s in text for s in ("changed from", "Expected object or value", "column names don't match")
+        s in text
+        for s in ("changed from", "Expected object or value", "column names don't match", "Trailing data")
     )
 
 
@@ -117,7 +119,8 @@ def _json_read_error(src, key: str, files: list[str], detail: str) -> UserError:
 
     # what stops the reader: a line that is not JSON, a text of another type, a record without it
     field = src.text_field
-    where = locate("json", files, field, rule=lambda r, f: isinstance(r, NotJson))
+    # a line that is valid JSON but no object (an array, a string) is as unreadable as one that is not JSON
+    where = locate("json", files, field, rule=lambda r, f: isinstance(r, NotJson) or not isinstance(r, dict))
     if where is not None:
         return UserError(
             f"Source '{key}' ({src.path}): {where.place()} {problem(where.record, field)}. A JSON-lines file "
@@ -201,8 +204,13 @@ def _no_records(src, key: str, files: list[str]) -> UserError:
     )
 
 
-def load_parts(src, key: str, *, streaming: bool, files: list[str] | None = None) -> list[Part]:
-    """The source as one dataset per reader, each with the single column `text`, in reading order."""
+def load_parts(
+    src, key: str, *, streaming: bool, files: list[str] | None = None, cache_dir: str | None = None
+) -> list[Part]:
+    """The source as one dataset per reader, each with the single column `text`, in reading order.
+    `cache_dir`: where datasets keeps its own files for local sources (an Arrow copy, locks): under
+    muonrun's cache (data.cache_dir), not in ~/.cache/huggingface; Hub datasets stay in Hugging Face's
+    cache, where they are downloaded."""
     import datasets
 
     quiet_progress_bars()
@@ -225,7 +233,7 @@ def load_parts(src, key: str, *, streaming: bool, files: list[str] | None = None
         extra = {"sample_by": "document"} if reader == "text" else {}
         try:
             ds = datasets.load_dataset(
-                reader, data_files=group, split=src.split, streaming=streaming, **extra
+                reader, data_files=group, split=src.split, streaming=streaming, cache_dir=cache_dir, **extra
             )
         except ValueError as e:
             if "corresponds to no data" in str(e) and src.split == "train":
@@ -252,11 +260,13 @@ def load_parts(src, key: str, *, streaming: bool, files: list[str] | None = None
     return parts
 
 
-def load_source(src, key: str, *, streaming: bool, files: list[str] | None = None):
+def load_source(
+    src, key: str, *, streaming: bool, files: list[str] | None = None, cache_dir: str | None = None
+):
     """The source as a Dataset / IterableDataset with the single column `text`."""
     import datasets
 
-    parts = load_parts(src, key, streaming=streaming, files=files)
+    parts = load_parts(src, key, streaming=streaming, files=files, cache_dir=cache_dir)
     if len(parts) == 1:
         return parts[0].ds
     try:
@@ -270,7 +280,7 @@ def load_source(src, key: str, *, streaming: bool, files: list[str] | None = Non
         ) from None
 
 
-def check_source(src, key: str, skip_bad_records: bool = False) -> None:
+def check_source(src, key: str, skip_bad_records: bool = False, cache_dir: str | None = None) -> None:
     """Cheap checks before workers start: the files exist and are not all empty, the text column is there
     and the first record of each format holds a string; a Hub dataset's builder can be created (this
     needs the network or the HF cache)."""
@@ -302,7 +312,9 @@ def check_source(src, key: str, skip_bad_records: bool = False) -> None:
             continue
         first = group[0]
         try:  # streaming reads only the first rows of the first file
-            ds = datasets.load_dataset(reader, data_files=[first], split="train", streaming=True)
+            ds = datasets.load_dataset(
+                reader, data_files=[first], split="train", streaming=True, cache_dir=cache_dir
+            )
             row = next(iter(ds), None)
         except Exception as e:
             raise read_error(e, src, key, [first]) from None

@@ -195,6 +195,7 @@ class StreamingLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.count = 0  # windows served by this rank
         self._chunk: tuple[int, np.ndarray | None] = (-1, None)
+        self.identity = None  # identity.DataIdentity, saved with the position (training loaders)
 
     def _choices(self, chunk: int) -> np.ndarray:
         if self._chunk[0] != chunk:
@@ -220,6 +221,7 @@ class StreamingLoader:
             "dp_size": self.dp_size,
             "count": self.count,
             "sources": [p.state_dict() for p in self.packers],
+            **(self.identity.state_dict() if self.identity else {}),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -241,6 +243,8 @@ class StreamingLoader:
                 f"The checkpoint's data state has {len(sd['sources'])} streaming sources, the config has "
                 f"{len(self.packers)}; resume with the same data.sources."
             )
+        if self.identity:
+            self.identity.on_resume(sd)
         self.count = int(sd["count"])
         for p, s in zip(self.packers, sd["sources"], strict=True):
             p.load_state_dict(s)
@@ -252,6 +256,7 @@ def streaming_loader(
     import datasets
     from datasets.distributed import split_dataset_by_node
 
+    from muonrun.data.cache import datasets_cache
     from muonrun.data.sources import resolve_files
 
     packers = []
@@ -262,7 +267,7 @@ def streaming_loader(
         )
 
         def open_stream(epoch, src=src, key=key, files=files, checks=checks):
-            ds = load_source(src, key, streaming=True, files=files)
+            ds = load_source(src, key, streaming=True, files=files, cache_dir=datasets_cache(cfg.data))
             checks.text_is_json = isinstance((ds.features or {}).get("text"), getattr(datasets, "Json", ()))
             return split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size) if dp_size > 1 else ds
 

@@ -19,11 +19,13 @@ docs/performance.md ("float8").
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
 
+from muonrun.config import Config
 from muonrun.errors import UserError
-
-RECIPES = ("tensorwise", "rowwise")
+from muonrun.features.protocol import Feature
 
 
 def serves(out_features: int, in_features: int, recipe: str) -> bool:
@@ -84,3 +86,37 @@ def apply_float8(model: nn.Module, recipe: str) -> int:
         module_filter_fn=lambda module, fqn: fqn in picked,
     )
     return len(picked)
+
+
+def plan_row(model: nn.Module, recipe: str) -> str:
+    """Which Linear layers run in float8, by shape."""
+    picks = chosen(model, recipe)
+    shapes = {name: (m.out_features, m.in_features) for name, m in model.named_modules() if name in picks}
+    yes = Counter(shapes[n] for n, ok in picks.items() if ok)
+    no = Counter(shapes[n] for n, ok in picks.items() if not ok)
+
+    def fmt(counts):
+        return ", ".join(f"{n} x {o}x{i}" for (o, i), n in sorted(counts.items())) or "none"
+
+    return (
+        f"{recipe}: {sum(yes.values())} of {len(picks)} decoder Linear layers run in float8 ({fmt(yes)}; "
+        f"too small to gain, kept bf16: {fmt(no)}); the LM head stays bf16. Needs a GPU of compute "
+        "capability 8.9+ and torchao"
+    )
+
+
+class Float8(Feature):
+    """`parallel.float8`: torchao's float8 matmuls in the layers the rule above picks."""
+
+    @staticmethod
+    def wanted(cfg: Config) -> bool:
+        return cfg.parallel.float8 != "none"
+
+    def check(self, device_type: str) -> None:
+        check_available(device_type)
+
+    def convert(self, model: nn.Module) -> None:
+        apply_float8(model, self.cfg.parallel.float8)
+
+    def plan_rows(self, model: nn.Module) -> list[tuple[str, str]]:
+        return [("float8", plan_row(model, self.cfg.parallel.float8))]

@@ -1,5 +1,6 @@
 """LoRA adapters (peft) on a pretrained model: which modules get one, which parameters train, how the
-adapters start. `model.build_model` calls `apply_lora` on the meta-device model when `model.lora.enabled`.
+adapters start, how a checkpoint names its base model, how the export merges them. The `LoRA` feature
+(muonrun/features/__init__.py's protocol) is on when `model.lora.enabled`.
 
     muonrun pretrain qwen2-muon-lora-fsdp2        # adapters on Qwen2.5-0.5B, Muon for their A and B
 
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from muonrun.config import LoraSettings
+from muonrun.config import Config, LoraSettings
 from muonrun.errors import UserError
+from muonrun.features.protocol import ExportJob, Feature
 
 ADAPTER = "default"  # peft's name for the one adapter
 
@@ -179,3 +182,133 @@ def lora_flops_per_token(full: float, model: nn.Module) -> float:
             elif not module.weight.requires_grad:
                 frozen += module.weight.numel()
     return full - 2 * frozen + 6 * adapters
+
+
+class LoRA(Feature):
+    """peft's adapters on the frozen pretrained model: injected into every build of the meta model,
+    initialised as peft does, counted in FLOPs, the base model's fingerprint in every checkpoint, and
+    merged (or written alone) by the export."""
+
+    @staticmethod
+    def wanted(cfg: Config) -> bool:
+        return cfg.model.lora.enabled
+
+    def check(self, device_type: str) -> None:
+        require_peft()
+
+    def adapt(self, model: nn.Module) -> None:
+        from muonrun.model.moe import is_moe
+
+        if is_moe(model.config):
+            raise UserError(
+                f"model.lora.enabled is true but {model.config.model_type} is a mixture-of-experts model: "
+                "LoRA adapters on stacked expert weights are not supported. Set model.lora.enabled=false "
+                "to train the whole model, or use a dense base model for LoRA."
+            )
+        apply_lora(model, self.cfg.model.lora)
+
+    def init_parameter(self, name, shape, generator, device):
+        return adapter_init(name, shape, generator, device)
+
+    def pretrained_name(self, name: str) -> str | None:
+        # The adapters are not in the base model's files; an adapted layer holds its pretrained weight
+        # as `.base_layer.weight`.
+        return None if is_adapter(name) else base_name(name)
+
+    def flops_per_token(self, fpt: float, model: nn.Module) -> float:
+        return lora_flops_per_token(fpt, model)
+
+    def identity(self, d=None) -> dict[str, dict[str, str]]:
+        from muonrun.model.hf import base_identity
+
+        return {"base_model": base_identity(self.cfg.model.name_or_path, d)}
+
+    def plan_rows(self, model: nn.Module) -> list[tuple[str, str]]:
+        lo = self.cfg.model.lora
+        total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        trained = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad)
+        return [
+            (
+                "LoRA",
+                f"rank {lo.rank} on {', '.join(lo.target_modules)}: {trained:,} parameters train "
+                f"({trained / total:.2%}), the rest frozen in the compute dtype",
+            )
+        ]
+
+    def export(self, job: ExportJob) -> dict[str, torch.Tensor] | Path:
+        adapted = adapted_model(job.cfg, job.hf_config, job.checkpoint, job.tensors)
+        if job.options.pop("adapter_only", False):
+            adapted = adapted.to(getattr(torch, job.dtype))
+            return _write_adapter(adapted, job)
+        job.notes.append(f"LoRA adapters merged into `{job.cfg.model.name_or_path}`.")
+        return adapted.merge_and_unload().state_dict()
+
+
+def adapted_model(cfg, hf_config, checkpoint: Path, trained: dict[str, torch.Tensor]):
+    """A LoRA run's base model (from its `model.name_or_path`, checked against the fingerprint the
+    checkpoint recorded) with the checkpoint's adapters and other trained weights, as a peft model.
+    Parameters `model.lora.train` trained become peft's `modules_to_save`, so an adapter folder carries
+    them too (a tied embedding stays tied to the LM head)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.logging import disable_progress_bar
+
+    require_peft()
+    from peft import get_peft_model
+
+    from muonrun.checkpoint import read_meta
+    from muonrun.model.hf import base_identity
+
+    base = cfg.model.name_or_path
+    saved = read_meta(checkpoint).get("identity", {}).get("base_model", {})
+    found = base_identity(base)
+    if saved.get("fingerprint") != found["fingerprint"]:
+        raise UserError(
+            f"Checkpoint '{checkpoint}' holds LoRA adapters trained on '{saved.get('name_or_path')}' (fingerprint "
+            f"{str(saved.get('fingerprint'))[:12]}), but '{base}' (model.name_or_path in its run's config.yaml) "
+            f"now holds other weights (fingerprint {found['fingerprint'][:12]}): the export needs the base model "
+            "the adapters were trained on."
+        )
+    disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        base, config=hf_config, dtype=torch.float32, trust_remote_code=cfg.model.trust_remote_code
+    )
+    config = peft_config(model, cfg.model.lora)
+    config.modules_to_save = sorted({n.rsplit(".", 1)[0] for n in trained if not is_adapter(n)}) or None
+    config.ensure_weight_tying = bool(
+        config.modules_to_save and getattr(hf_config, "tie_word_embeddings", False)
+    )
+    with warnings.catch_warnings():  # peft asks the model for a property transformers renamed
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
+    params = dict(peft_model.named_parameters())
+    for name, tensor in trained.items():
+        module, _, leaf = name.rpartition(".")
+        key = "base_model.model." + (
+            name if is_adapter(name) else f"{module}.modules_to_save.{ADAPTER}.{leaf}"
+        )
+        if key not in params:
+            raise UserError(
+                f"Checkpoint '{checkpoint}' holds '{name}', which the LoRA model of its run's config.yaml lacks: "
+                "its model.lora settings changed after the run."
+            )
+        with torch.no_grad():
+            params[key].copy_(tensor)
+    return peft_model
+
+
+def _write_adapter(adapted, job: ExportJob) -> Path:
+    """peft's adapter folder, the tokenizer beside it (unless the byte tokenizer), and a README."""
+    cfg, out = job.cfg, job.out
+    adapted.save_pretrained(out)
+    if cfg.data.tokenizer != "byte":
+        job.tokenizer.hf.save_pretrained(out)
+    base = cfg.model.name_or_path
+    (out / "README.md").write_text(
+        f"# {cfg.name} (muonrun export: LoRA adapter)\n\n{job.header} The adapter of "
+        f"`{base}`.\n\n{job.tokenizer_note}\n\n```python\nfrom peft import PeftModel\nfrom transformers import "
+        f'AutoModelForCausalLM\n\nbase = AutoModelForCausalLM.from_pretrained("{base}")\n'
+        f'model = PeftModel.from_pretrained(base, "{job.shown_as}")\n```\n'
+    )
+    return out

@@ -4,7 +4,7 @@ Each program takes BLOCK_M query positions of one (sequence, head) and walks the
 them, as a flash-attention forward does, keeping only the running maximum of each row of Q K^T: no
 softmax, no values, nothing materialized. Products of bf16 (or fp16) inputs are exact in fp32 and are
 summed in fp32; fp32 inputs use IEEE fp32 products (no TF32). Importing this module needs Triton;
-`python scripts/bench_max_logit.py` times it on a GPU.
+`python benchmarks/bench_max_logit.py` times it on a GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import triton.language as tl
 
 TILES = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 """The launch settings: the fastest at the 0.5B preset's shapes on an H200, among those
-`python scripts/bench_max_logit.py --sweep` times."""
+`python benchmarks/bench_max_logit.py --sweep` times."""
 
 
 @triton.jit

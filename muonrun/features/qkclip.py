@@ -13,7 +13,7 @@ scaled with their rows, and RoPE rotates each head's vector, so the logit q.k sc
 state is left as it is, as in K2.
 
 The measurement (exact, on every training forward, no sampling). SDPA never materializes the logits,
-so muonrun's attention function (`model.MASK_FREE_SDPA`) hands the query (after RoPE) and key (before
+so muonrun's attention function (muonrun/model/attention.py) hands the query (after RoPE) and key (before
 the GQA repeat) it passes to SDPA to `observe`, which computes max over i >= j of (q_i . k_j) * scaling
 for each head under no_grad:
 
@@ -21,7 +21,7 @@ for each head under no_grad:
   forward (key tiles in the causal range only, fp32 sums of the bf16 products, which are exact in
   fp32) and keeps only the running maximum: the logits SDPA computes, up to fp32 summation order. Its
   FLOPs are 2 * seq_len * d_attn / 2 per token per layer, a sixth of the attention's training FLOPs
-  (`python scripts/bench_max_logit.py` times it against SDPA);
+  (`python benchmarks/bench_max_logit.py` times it against SDPA);
 - elsewhere plain matmuls over chunks of query positions: in fp32 exactly the largest entry of the
   materialized logits, in bf16 that entry rounded once to bf16. Fine on CPU; on a GPU without Triton
   it materializes every logit and costs far more than the kernel.
@@ -46,8 +46,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from muonrun import compat
+from muonrun.config import Config
 from muonrun.distributed import all_reduce_max, local_tensor
 from muonrun.errors import UserError
+from muonrun.features.protocol import Feature
+from muonrun.model.attention import ATTENTION_NAME, OBSERVER
 
 ATTR = "muonrun_max_logit"
 """The attention module attribute holding its heads' running maximum (a [heads] fp32 view)."""
@@ -94,9 +97,6 @@ def causal_max_logit_matmul(query: Tensor, key: Tensor) -> Tensor:
 
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-# The name muonrun's causal SDPA attention (model.py) is registered under with transformers; only a
-# model running it reports its queries and keys to `observe`.
-ATTENTION_NAME = "muonrun_causal_sdpa"
 
 
 # An opaque op to torch.compile: the compiled layer calls the kernel as it is.
@@ -142,6 +142,25 @@ def check_clippable(modules: list[nn.Module]) -> None:
         )
 
 
+def check_measurable(model: nn.Module, tau: float | None) -> list[nn.Module]:
+    """The attention modules whose logits can be measured (and with `tau`, clipped); a UserError
+    naming the setting otherwise."""
+    modules = attention_modules(model)
+    what = "train.qk_clip.tau" if tau is not None else "logging.max_attention_logit"
+    if not modules:
+        raise UserError(f"{what} needs attention layers with q_proj and k_proj; this model has none.")
+    impl = getattr(modules[0].config, "_attn_implementation", None)
+    if impl != ATTENTION_NAME:
+        raise UserError(
+            f"{what} measures attention logits inside muonrun's SDPA attention, which this model does not "
+            f"use (its attention is '{impl}'): it needs model.attn_implementation=sdpa and full causal "
+            "attention in every layer (no sliding window)."
+        )
+    if tau is not None:
+        check_clippable(modules)
+    return modules
+
+
 class QKClip:
     """The running maxima of every attention layer's heads; with `tau`, the clip after each step.
 
@@ -149,19 +168,7 @@ class QKClip:
     never read here."""
 
     def __init__(self, model: nn.Module, tau: float | None, device: torch.device):
-        modules = attention_modules(model)
-        what = "train.qk_clip.tau" if tau is not None else "logging.max_attention_logit"
-        if not modules:
-            raise UserError(f"{what} needs attention layers with q_proj and k_proj; this model has none.")
-        impl = getattr(modules[0].config, "_attn_implementation", None)
-        if impl != ATTENTION_NAME:
-            raise UserError(
-                f"{what} measures attention logits inside muonrun's SDPA attention, which this model does not "
-                f"use (its attention is '{impl}'): it needs model.attn_implementation=sdpa and full causal "
-                "attention in every layer (no sliding window)."
-            )
-        if tau is not None:
-            check_clippable(modules)
+        modules = check_measurable(model, tau)
         self.tau = tau
         self.modules = modules
         config = modules[0].config
@@ -173,6 +180,7 @@ class QKClip:
         self.current = torch.full((layers, self.heads), float("-inf"), device=device)
         for i, m in enumerate(modules):
             setattr(m, ATTR, self.current[i])
+            setattr(m, OBSERVER, observe)
         self.window = torch.full_like(self.current, float("-inf"))
         self.clipped = torch.zeros((), device=device)
         if tau is not None:
@@ -231,8 +239,22 @@ class QKClip:
         return values
 
 
-def build_qk_clip(model: nn.Module, tau: float | None, log_max_logit: bool, device) -> QKClip | None:
-    """The tracker when QK-clip or the max-logit metrics are on (None otherwise: nothing is measured)."""
-    if tau is None and not log_max_logit:
-        return None
-    return QKClip(model, tau, device)
+class MaxLogit(Feature):
+    """`train.qk_clip.tau` (the clip) or `logging.max_attention_logit` (the measurement alone): checked
+    on every build of the model, measured in the worker's forward passes, clipped after each step."""
+
+    @staticmethod
+    def wanted(cfg: Config) -> bool:
+        return cfg.train.qk_clip.tau is not None or cfg.logging.max_attention_logit
+
+    def adapt(self, model: nn.Module) -> None:
+        check_measurable(model, self.cfg.train.qk_clip.tau)
+
+    def start(self, model: nn.Module, device: torch.device) -> None:
+        self.tracker = QKClip(model, self.cfg.train.qk_clip.tau, device)
+
+    def after_step(self) -> None:
+        self.tracker.after_step()
+
+    def telemetry(self) -> dict[str, Tensor]:
+        return self.tracker.telemetry()

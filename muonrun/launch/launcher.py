@@ -19,11 +19,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from muonrun import log
 from muonrun.checkpoint.stop import LAUNCHER_PID_ENV
-from muonrun.config import to_object, to_yaml
+from muonrun.config import Config, to_yaml
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 from muonrun.launch.lock import RunLock
@@ -61,16 +59,15 @@ def default_nproc(c) -> int:
     return torch.cuda.device_count() if c.train.device != "cpu" and torch.cuda.is_available() else 1
 
 
-def make_plan(cfg: DictConfig) -> LaunchPlan:
-    c = to_object(cfg)
+def make_plan(cfg: Config) -> LaunchPlan:
     plan = LaunchPlan(
-        nproc_per_node=default_nproc(c),
-        nnodes=c.launch.nnodes,
-        node_rank=c.launch.node_rank,
-        rdzv_endpoint=c.launch.rdzv_endpoint,
-        rdzv_id=c.launch.rdzv_id,
-        max_restarts=c.launch.max_restarts,
-        local_addr=c.launch.local_addr,
+        nproc_per_node=default_nproc(cfg),
+        nnodes=cfg.launch.nnodes,
+        node_rank=cfg.launch.node_rank,
+        rdzv_endpoint=cfg.launch.rdzv_endpoint,
+        rdzv_id=cfg.launch.rdzv_id,
+        max_restarts=cfg.launch.max_restarts,
+        local_addr=cfg.launch.local_addr,
     )
     if plan.nnodes > 1 and not plan.rdzv_endpoint:
         raise UserError(
@@ -79,7 +76,7 @@ def make_plan(cfg: DictConfig) -> LaunchPlan:
         )
     # Before any worker starts: a mesh that cannot fit is the user's mistake (exit 2), not a crash.
     _, shard = mesh_shape(
-        c, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
+        cfg, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
     )
     if plan.nnodes > 1 and shard % plan.nproc_per_node and plan.nproc_per_node % shard:
         log.warning(
@@ -89,7 +86,7 @@ def make_plan(cfg: DictConfig) -> LaunchPlan:
         )
     if plan.rdzv_endpoint and plan.node_rank == 0 and not plan.in_process:
         check_endpoint_free(plan.rdzv_endpoint)
-    if c.train.device == "cuda" or (c.train.device == "auto" and _has_cuda()):
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and _has_cuda()):
         import torch
 
         if plan.nproc_per_node > torch.cuda.device_count():
@@ -130,27 +127,30 @@ def claim_output_dir(out: Path, node_rank: int) -> RunLock | contextlib.nullcont
     return RunLock(out).acquire() if node_rank == 0 else contextlib.nullcontext()
 
 
-def launch(cfg: DictConfig) -> int:
+def launch(cfg: Config) -> int:
     """Run the job described by a validated config; returns the process exit code."""
+    from muonrun.checkpoint import check_run_folder
     from muonrun.data import check_data
+    from muonrun.distributed import check_device, pick_device_type
+    from muonrun.features import enabled
     from muonrun.model.build import check_model
 
+    check_device(cfg)
     plan = make_plan(cfg)
     if not plan.in_process:
         quiet_leak_warnings()  # before anything can start the resource tracker
-    c = to_object(cfg)
-    tokenizer = check_data(c)
-    check_model(c.model, tokenizer.vocab_size, c.data.seq_len)
-    if c.parallel.float8 != "none":
-        from muonrun.distributed import pick_device_type
-        from muonrun.features.float8 import check_available
-
-        check_available(pick_device_type(c))
+    features = enabled(cfg)
+    device_type = pick_device_type(cfg)
+    for feature in features:
+        feature.check(device_type)
+    tokenizer = check_data(cfg)
+    check_model(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features)
     config_yaml = to_yaml(cfg)
-    out = Path(c.output_dir)
+    out = Path(cfg.output_dir)
+    check_run_folder(out)  # before anything is created there
     run_lock = claim_output_dir(out, plan.node_rank)  # node 0: before anything in output_dir is touched
-    if plan.node_rank == 0:
-        (out / "config.yaml").write_text(config_yaml)
+    # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
+    # refused at resume leaves the folder's config as it was.
     with run_lock:
         # the workers' parent (they die with it) and where MUONRUN_FAULT=term@STEP sends SIGTERM
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())

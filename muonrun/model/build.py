@@ -7,16 +7,27 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from muonrun.config import ModelConfig
 from muonrun.errors import UserError
-from muonrun.features.lora import adapter_init, apply_lora
-from muonrun.features.qkclip import ATTENTION_NAME
-from muonrun.features.qkclip import observe as observe_max_logit
+from muonrun.model.attention import use_mask_free_sdpa
 from muonrun.model.loss import linear_cross_entropy_sum
+from muonrun.model.moe import (
+    active_matmul_params,
+    expert_load,
+    experts_per_token,
+    is_moe,
+    is_router_module,
+    load_balancing_loss,
+)
+from muonrun.optim.experts import is_experts_module
+
+if TYPE_CHECKING:
+    from muonrun.features import Feature
 
 
 def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
@@ -95,13 +106,29 @@ def check_hf_keys(extra: dict, config_class: type, m: ModelConfig) -> None:
         )
 
 
-def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8) -> nn.Module:
+def check_positions(hf, seq_len: int) -> None:
+    """A training window must fit the positions the model is built for: past max_position_embeddings
+    rotary angles leave the range the model (and its rope scaling) is defined on, and attention's cost
+    grows with the square of a length nobody meant."""
+    limit = getattr(hf, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise UserError(
+            f"Config key 'data.seq_len' is {seq_len}, longer than the model's max_position_embeddings of {limit} "
+            "(model.hf / model.name_or_path): lower data.seq_len to at most that, or raise "
+            "model.hf.max_position_embeddings for a model trained from scratch."
+        )
+
+
+def check_model(
+    m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8, features: list[Feature] = ()
+) -> nn.Module:
     """Build the model on the meta device and run one forward there (shapes only, no memory, no
     GPU): an architecture that cannot run with these settings (query heads not a multiple of key/value
     heads, say) fails here, before any worker starts, naming the settings. Returns the meta model
     (its HF config is `.config`)."""
     hf = build_hf_config(m, vocab_size)
-    model = build_model(m, hf)
+    check_positions(hf, seq_len)
+    model = build_model(m, hf, features)
     with torch.device("meta"):
         ids = torch.zeros(1, max(2, min(seq_len, 8)), dtype=torch.long)
         try:
@@ -124,47 +151,9 @@ def check_model(m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8)
     return model
 
 
-# SDPA registered under a second name, which transformers builds no attention masks for. Our batches
-# have no padding, no cache and no position ids, so for plain causal attention transformers' mask
-# builder returns None anyway (SDPA then runs with is_causal=True), but first it checks the position
-# ids for packed sequences with a Python bool: a host sync at the start of every forward. (The name
-# lives in qkclip.py, which checks that a model's attention reports its logits there.)
-MASK_FREE_SDPA = ATTENTION_NAME
-
-
-def only_full_causal_attention(hf_config) -> bool:
-    """True when every layer attends to all earlier tokens: no sliding window or chunked attention."""
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    limits = (getattr(hf_config, k, None) for k in ("sliding_window", "attention_chunk_size"))
-    return all(t == "full_attention" for t in layer_types) and all(v is None for v in limits)
-
-
-def use_mask_free_sdpa(model: nn.Module, m: ModelConfig) -> None:
-    """Switch a model built with sdpa to MASK_FREE_SDPA where that computes the same attention: only
-    full causal attention, and a model that takes its kernel from transformers' AttentionInterface
-    (others keep their own attention code and masks)."""
-    if m.attn_implementation != "sdpa" or not only_full_causal_attention(model.config):
-        return
-    if not getattr(model, "_can_set_attn_implementation", lambda: False)():
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(MASK_FREE_SDPA, causal_sdpa)
-    model.set_attn_implementation(MASK_FREE_SDPA)
-
-
-def causal_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, after handing its query (RoPE applied) and key (before the GQA
-    repeat) to muonrun/features/qkclip.py, which measures the largest logit per head when that is on."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    observe_max_logit(module, query, key, kwargs.get("scaling"))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def build_model(m: ModelConfig, hf_config) -> nn.Module:
-    """The causal LM on the meta device (no memory is used until `init_weights`), with LoRA adapters
-    when `model.lora.enabled` (muonrun/features/lora.py)."""
+def build_model(m: ModelConfig, hf_config, features: list[Feature] = ()) -> nn.Module:
+    """The causal LM on the meta device (no memory is used until `init_weights`), as the enabled
+    features adapt it (LoRA's adapters, say)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -180,8 +169,8 @@ def build_model(m: ModelConfig, hf_config) -> nn.Module:
                 f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}"
             ) from None
     use_mask_free_sdpa(model, m)
-    if m.lora.enabled:
-        apply_lora(model, m.lora)
+    for feature in features:
+        feature.adapt(model)
     return model
 
 
@@ -198,13 +187,29 @@ def _seed_for(name: str, seed: int) -> int:
     return seed * 1_000_003 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")
 
 
+def _model_init(module: nn.Module, p_name: str, shape, std: float, gen, device) -> torch.Tensor:
+    """The model's own rule for a parameter's initial value (see `init_weights`)."""
+    if p_name == "bias" or (len(shape) == 1 and p_name != "weight"):
+        return torch.zeros(shape, device=device)
+    if len(shape) == 1:
+        return torch.ones(shape, device=device)
+    assert (
+        isinstance(module, nn.Linear | nn.Embedding) or is_experts_module(module) or is_router_module(module)
+    ), f"no init rule for {type(module).__name__}.{p_name}"
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) -> None:
+def init_weights(
+    model: nn.Module, std: float, seed: int, device: torch.device, features: list[Feature] = ()
+) -> None:
     """Initialise every parameter and buffer of a model that was just `to_empty()`-ed.
 
     Each full tensor is drawn from its own generator on `device` and each rank keeps its shard,
-    so the weights are identical at any world size. Linear and embedding weights ~ N(0, std),
-    biases 0, norm (1-D) weights 1. Buffers (rotary `inv_freq`) are rebuilt from the module's config.
+    so the weights are identical at any world size. A feature's own parameters (LoRA's A and B) as
+    the feature says; Linear and embedding weights ~ N(0, std) (and so are an MoE's routers and stacked
+    experts [E, out, in]: every expert's matrix ~ N(0, std)), biases 0, norm (1-D) weights 1.
+    Buffers (rotary `inv_freq`) are rebuilt from the module's config.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -214,19 +219,15 @@ def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) 
             if id(param) in done:
                 continue  # tied weights
             done.add(id(param))
-            full_shape = param.shape
-            if p_name == "bias" or (param.ndim == 1 and p_name != "weight"):
-                full = torch.zeros(full_shape, device=device)
-            elif param.ndim == 1:
-                full = torch.ones(full_shape, device=device)
-            else:
-                gen = torch.Generator(device=device).manual_seed(_seed_for(f"{mod_name}.{p_name}", seed))
-                full = adapter_init(f"{mod_name}.{p_name}", full_shape, gen, device)  # LoRA's A and B
-                if full is None:
-                    assert isinstance(module, nn.Linear | nn.Embedding), (
-                        f"no init rule for {mod_name}.{p_name}"
-                    )
-                    full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
+            full_shape, name = param.shape, f"{mod_name}.{p_name}"
+            gen = torch.Generator(device=device).manual_seed(_seed_for(name, seed))
+            # A feature's own parameters first (LoRA's A and B), then the model's rules.
+            full = next(
+                (v for f in features if (v := f.init_parameter(name, full_shape, gen, device)) is not None),
+                None,
+            )
+            if full is None:
+                full = _model_init(module, p_name, full_shape, std, gen, device)
             if isinstance(param, DTensor):
                 local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                 param.to_local().copy_(local.to_local())
@@ -246,13 +247,31 @@ def init_weights(model: nn.Module, std: float, seed: int, device: torch.device) 
 class CausalLMWithLoss(nn.Module):
     """The root FSDP unit: backbone, then LM head + cross-entropy fused over chunks of tokens
     (muonrun/model/loss.py), so the full [tokens x vocab] fp32 logits never exist (151,936-way vocab for
-    Qwen2). `loss_chunk_tokens=0` computes all logits at once."""
+    Qwen2). `loss_chunk_tokens=0` computes all logits at once.
 
-    def __init__(self, lm: nn.Module, loss_chunk_tokens: int = 4096, compile_loss: bool = False):
+    A mixture-of-experts model (`router_aux_loss_coef` not None) also adds the router's
+    load-balancing loss times the coefficient to what backward sees; the value returned stays the LM
+    loss (the aux term enters as `c * aux - (c * aux).detach()`, exactly 0 in value), so the logged and
+    evaluated loss is comparable with a dense model's. The aux loss itself is summed on the device
+    for logging (`moe_telemetry`), and while `watch_experts` is set each forward keeps the expert
+    load statistics of its router logits. A dense model runs the plain path."""
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        loss_chunk_tokens: int = 4096,
+        compile_loss: bool = False,
+        router_aux_loss_coef: float | None = None,
+    ):
         super().__init__()
         self.lm = lm
         self.loss_chunk_tokens = loss_chunk_tokens
         self.compile_loss = compile_loss
+        self.router_aux_loss_coef = router_aux_loss_coef if is_moe(lm.config) else None
+        self.watch_experts = False
+        self._aux_sum: torch.Tensor | None = None
+        self._aux_count = 0
+        self._expert_load: dict[str, torch.Tensor] = {}
         head = lm.get_output_embeddings()
         assert isinstance(head, nn.Linear) and head.bias is None, (
             "the fused loss expects a bias-free Linear LM head"
@@ -262,12 +281,38 @@ class CausalLMWithLoss(nn.Module):
         # use_cache=False: training needs no KV cache, and a cache object in the call makes every
         # compiled decoder layer guard on its own cache slot, so each layer recompiles and all past
         # torch._dynamo's recompile limit (8) silently run eager.
-        hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        if self.router_aux_loss_coef is None:
+            hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            return self._lm_loss(hidden, labels)
+        out = self.lm.base_model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+        loss = self._lm_loss(out.last_hidden_state, labels)
+        if not torch.is_grad_enabled():  # evaluation: the LM loss alone
+            return loss
+        aux = load_balancing_loss(out.router_logits, self.lm.config)
+        detached = aux.detach()
+        self._aux_sum = detached if self._aux_sum is None else self._aux_sum + detached
+        self._aux_count += 1
+        if self.watch_experts:
+            self._expert_load = expert_load(out.router_logits, experts_per_token(self.lm.config))
+        scaled = self.router_aux_loss_coef * aux
+        return loss + (scaled - scaled.detach())
+
+    def _lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight = self.lm.get_output_embeddings().weight
         total = linear_cross_entropy_sum(
             hidden.flatten(0, 1), weight, labels.flatten(), self.loss_chunk_tokens, self.compile_loss
         )
         return total / labels.numel()
+
+    def moe_telemetry(self) -> dict[str, torch.Tensor]:
+        """Since the last call (0-d device tensors, per rank): `aux_loss`, the mean load-balancing loss
+        of the training forwards, and the expert load of the last watched one (`expert_load`); then a
+        new window. Empty for a dense model."""
+        if self.router_aux_loss_coef is None or self._aux_sum is None:
+            return {}
+        values = {"aux_loss": self._aux_sum / self._aux_count, **self._expert_load}
+        self._aux_sum, self._aux_count, self._expert_load = None, 0, {}
+        return values
 
 
 def count_params(model: nn.Module) -> dict[str, int]:
@@ -284,7 +329,9 @@ def flops_per_token(hf_config, seq_len: int) -> float:
 
     Matmul weights: per layer q,k,v,o and the 3 MLP matrices, plus the LM head; attention scores and
     values add 2 * 2 * seq_len * d_attn per layer in forward, halved because the mask is causal.
-    Embedding lookups, norms and activations are not counted (as in PaLM/torchtitan MFU).
+    Embedding lookups, norms and activations are not counted (as in PaLM/torchtitan MFU). A
+    mixture-of-experts model counts the weights a token is routed through, not all it has: its top-k
+    experts, the shared expert and the router (muonrun/model/moe.py `active_matmul_params`).
     """
     h = hf_config.hidden_size
     layers = hf_config.num_hidden_layers
@@ -293,7 +340,8 @@ def flops_per_token(hf_config, seq_len: int) -> float:
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
     inter = hf_config.intermediate_size
     attn_proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o and k, v
-    mlp = 3 * h * inter  # gate, up, down
-    matmul_params = layers * (attn_proj + mlp) + h * hf_config.vocab_size
+    mlp = layers * 3 * h * inter  # gate, up, down
+    moe = active_matmul_params(hf_config)
+    matmul_params = layers * attn_proj + (mlp if moe is None else moe) + h * hf_config.vocab_size
     attention = layers * 2 * 2 * seq_len * heads * head_dim / 2
     return 3 * (2 * matmul_params + attention)

@@ -1,39 +1,26 @@
-"""Hugging Face weights in and out: `model.init=pretrained` reads a model's safetensors straight into
-the FSDP2 shards; `muonrun export` turns a checkpoint into a folder `from_pretrained` loads.
+"""Hugging Face weights in: `model.init=pretrained` reads a model's safetensors straight into the FSDP2
+shards; a base model's fingerprint (what a LoRA checkpoint records). The way out is
+muonrun/tools/export.py.
 
-    muonrun export runs/tiny hf/          # the latest checkpoint of runs/tiny as a Hugging Face model
+    muonrun pretrain qwen2-adamw-fsdp2 model.init=pretrained model.name_or_path=Qwen/Qwen2.5-0.5B
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from muonrun.checkpoint import load_model_tensors, read_meta, resolve_checkpoint, verify
-from muonrun.config import Config
+from muonrun import log
 from muonrun.distributed import Dist
 from muonrun.errors import UserError
 
-
-def _log(msg: str) -> None:
-    print(f"muonrun: {msg}", flush=True)
-
-
-def read_run_config(checkpoint: Path) -> Config:
-    """The config of the run that wrote a checkpoint: OUTPUT_DIR/config.yaml, two levels up."""
-    from muonrun.config import from_yaml, to_object
-
-    path = checkpoint.resolve().parent.parent / "config.yaml"
-    if not path.is_file():
-        raise UserError(
-            f"'{path}' is missing: the run folder of checkpoint '{checkpoint}' must hold its config.yaml."
-        )
-    return to_object(from_yaml(path.read_text()))
+if TYPE_CHECKING:
+    from muonrun.features import Feature
 
 
 def _hf_weight_files(name_or_path: str, d: Dist | None) -> dict[str, Path]:
@@ -64,20 +51,27 @@ def _hf_weight_files(name_or_path: str, d: Dist | None) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+def _pretrained_name(name: str, features: list[Feature]) -> str | None:
+    for feature in features:
+        if name is not None:
+            name = feature.pretrained_name(name)
+    return name
+
+
 @torch.no_grad()
-def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist) -> None:
+def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist, features: list[Feature] = ()) -> None:
     """Copy HF safetensors weights into a sharded model: each rank reads only the rows of its own
     shard (safe_open + get_slice on the memory-mapped file), never a full copy of the model."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
     from muonrun.compat import local_shape_and_offset
-    from muonrun.features.lora import base_name, is_adapter
 
     files = _hf_weight_files(name_or_path, d)
-    # Tied weights appear once, under the input embedding's name; LoRA's adapters are not in the files
-    # and the layers they adapt hold the pretrained weight as `.base_layer.weight`.
-    params = [(base_name(n), p) for n, p in lm.named_parameters() if not is_adapter(n)]
+    # Tied weights appear once, under the input embedding's name; a feature's own parameters (LoRA's
+    # adapters) are not in the files, and it may hold a pretrained weight under another name.
+    named = ((_pretrained_name(n, features), p) for n, p in lm.named_parameters())
+    params = [(n, p) for n, p in named if n is not None]
     missing = [n for n, _ in params if n not in files]
     if missing:
         raise UserError(
@@ -104,8 +98,7 @@ def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist) -> None:
             continue
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
         local.copy_(sl[index].to(device=local.device, dtype=local.dtype))
-    if d.is_main:
-        _log(f"weights loaded from {name_or_path} (model.init=pretrained)")
+    log.info(f"weights loaded from {name_or_path} (model.init=pretrained)")
 
 
 def base_identity(name_or_path: str, d: Dist | None = None) -> dict[str, str]:
@@ -128,186 +121,3 @@ def base_identity(name_or_path: str, d: Dist | None = None) -> dict[str, str]:
             f.seek(offset)
             digest.update(json.dumps([name, dtype, shape]).encode() + f.read(min(4096, length)))
     return {"name_or_path": name_or_path, "fingerprint": digest.hexdigest()}
-
-
-BYTE_TOKENIZER_NOTE = (
-    "Tokenizer: muonrun's built-in byte-level tokenizer, so this folder has no tokenizer files. Token ids "
-    "0-255 are the UTF-8 bytes of the text, 256 is end-of-document (EOS): encode with "
-    "`list(text.encode('utf-8'))`, decode with `bytes(i for i in ids if i < 256).decode('utf-8', 'replace')`."
-)
-
-
-def adapted_model(cfg: Config, hf_config, checkpoint: Path, trained: dict[str, torch.Tensor]):
-    """A LoRA run's base model (from its `model.name_or_path`, checked against the fingerprint the
-    checkpoint recorded) with the checkpoint's adapters and other trained weights, as a peft model.
-    Parameters `model.lora.train` trained become peft's `modules_to_save`, so an adapter folder carries
-    them too (a tied embedding stays tied to the LM head)."""
-    import warnings
-
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.logging import disable_progress_bar
-
-    from muonrun.features.lora import ADAPTER, is_adapter, peft_config, require_peft
-
-    require_peft()
-    from peft import get_peft_model
-
-    base = cfg.model.name_or_path
-    saved = read_meta(checkpoint).get("identity", {}).get("base_model", {})
-    found = base_identity(base)
-    if saved.get("fingerprint") != found["fingerprint"]:
-        raise UserError(
-            f"Checkpoint '{checkpoint}' holds LoRA adapters trained on '{saved.get('name_or_path')}' (fingerprint "
-            f"{str(saved.get('fingerprint'))[:12]}), but '{base}' (model.name_or_path in its run's config.yaml) "
-            f"now holds other weights (fingerprint {found['fingerprint'][:12]}): the export needs the base model "
-            "the adapters were trained on."
-        )
-    disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        base, config=hf_config, dtype=torch.float32, trust_remote_code=cfg.model.trust_remote_code
-    )
-    config = peft_config(model, cfg.model.lora)
-    config.modules_to_save = sorted({n.rsplit(".", 1)[0] for n in trained if not is_adapter(n)}) or None
-    config.ensure_weight_tying = bool(
-        config.modules_to_save and getattr(hf_config, "tie_word_embeddings", False)
-    )
-    with warnings.catch_warnings():  # peft asks the model for a property transformers renamed
-        warnings.simplefilter("ignore", FutureWarning)
-        peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
-    params = dict(peft_model.named_parameters())
-    for name, tensor in trained.items():
-        module, _, leaf = name.rpartition(".")
-        key = "base_model.model." + (
-            name if is_adapter(name) else f"{module}.modules_to_save.{ADAPTER}.{leaf}"
-        )
-        if key not in params:
-            raise UserError(
-                f"Checkpoint '{checkpoint}' holds '{name}', which the LoRA model of its run's config.yaml lacks: "
-                "its model.lora settings changed after the run."
-            )
-        with torch.no_grad():
-            params[key].copy_(tensor)
-    return peft_model
-
-
-def export_hf(
-    checkpoint: str | os.PathLike,
-    out: str | os.PathLike,
-    dtype: str = "float32",
-    adapter_only: bool = False,
-    *,
-    shown_as: Path | None = None,
-) -> Path:
-    """Write a Hugging Face folder (config.json, safetensors, tokenizer files or a README note) that
-    `AutoModelForCausalLM.from_pretrained(out)` loads; a LoRA run's adapters merged into its base.
-    `adapter_only`: a LoRA run's adapter folder (adapter_config.json, adapter_model.safetensors) for
-    `peft.PeftModel.from_pretrained(base, out)`. Runs on one process; needs CPU memory for one full
-    copy of the model in `dtype` (LoRA: in float32 as well). `shown_as`: the path the folder's README
-    names, where it is written elsewhere first."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    from muonrun.data import build_tokenizer
-    from muonrun.model.build import build_hf_config
-
-    checkpoint = resolve_checkpoint(checkpoint)
-    verdict = verify(checkpoint)
-    if not verdict.ok:
-        raise verdict.error()
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"Export folder '{out}' is not empty; choose a new folder.")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"Export dtype '{dtype}' is not one of float32, bfloat16, float16.")
-    cfg = read_run_config(checkpoint)
-    lora = cfg.model.lora.enabled
-    if adapter_only and not lora:
-        raise UserError(
-            f"--adapter-only: checkpoint '{checkpoint}' is of a run that trained every weight (model.lora.enabled "
-            "is false in its config.yaml), so there is no adapter; export it without --adapter-only."
-        )
-    tok = build_tokenizer(cfg.data.tokenizer)
-    hf_config = build_hf_config(cfg.model, tok.vocab_size)
-    sd = load_model_tensors(checkpoint)
-    if lora:
-        adapted = adapted_model(cfg, hf_config, checkpoint, sd)
-        if adapter_only:
-            adapted = adapted.to(getattr(torch, dtype))
-            return _write_adapter(adapted, out, shown_as or out, cfg, tok, checkpoint, dtype)
-        sd = adapted.merge_and_unload().state_dict()
-    sd = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sd.items()}
-    if getattr(hf_config, "tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)  # transformers ties it back to the input embedding
-    out.mkdir(parents=True, exist_ok=True)
-    split = split_torch_state_dict_into_shards(
-        sd, filename_pattern="model{suffix}.safetensors", max_shard_size="5GB"
-    )
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: sd[n] for n in names}, out / filename, metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())}}
-        index["weight_map"] = split.tensor_to_filename
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    hf_config.dtype = dtype
-    # The model was trained on documents ending in the tokenizer's EOS: generation must stop there.
-    hf_config.eos_token_id = tok.eos_token_id
-    if cfg.data.tokenizer == "byte":
-        hf_config.bos_token_id = None
-        hf_config.pad_token_id = None
-        note = BYTE_TOKENIZER_NOTE
-    else:
-        tok.hf.save_pretrained(out)
-        hf_config.bos_token_id = tok.hf.bos_token_id
-        hf_config.pad_token_id = tok.hf.pad_token_id
-        note = f"Tokenizer: `{cfg.data.tokenizer}` (files included)."
-    hf_config.save_pretrained(out)
-    merged = f" LoRA adapters merged into `{cfg.model.name_or_path}`." if lora else ""
-    (out / "README.md").write_text(
-        f"# {cfg.name} (muonrun export)\n\n{_exported_from(checkpoint, dtype)}{merged}\n\n{note}\n\n"
-        "```python\nfrom transformers import AutoModelForCausalLM\n"
-        f'model = AutoModelForCausalLM.from_pretrained("{shown_as or out}")\n```\n'
-    )
-    return out
-
-
-def export_replacing(checkpoint: Path, out: Path) -> Path:
-    """`export_hf` for checkpoint.export_at_end, into the run's own folder, which a rerun (or a resumed
-    run that trains further) exports to again: the new export is written beside it and swapped in once
-    complete, so `out` never holds half of one."""
-    import shutil
-
-    fresh, old = out.with_name(out.name + ".new"), out.with_name(out.name + ".old")
-    for leftover in (fresh, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    export_hf(checkpoint, fresh, shown_as=out)
-    if out.exists():
-        out.rename(old)
-    fresh.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-    return out
-
-
-def _exported_from(checkpoint: Path, dtype: str) -> str:
-    meta = read_meta(checkpoint)
-    return (
-        f"Exported from `{checkpoint}` (step {meta['step']}, {meta['tokens_seen']:,} training tokens), "
-        f"weights in {dtype}."
-    )
-
-
-def _write_adapter(
-    adapted, out: Path, shown_as: Path, cfg: Config, tok, checkpoint: Path, dtype: str
-) -> Path:
-    """peft's adapter folder, the tokenizer beside it (unless the byte tokenizer), and a README."""
-    adapted.save_pretrained(out)
-    note = BYTE_TOKENIZER_NOTE if cfg.data.tokenizer == "byte" else f"Tokenizer: `{cfg.data.tokenizer}`."
-    if cfg.data.tokenizer != "byte":
-        tok.hf.save_pretrained(out)
-    base = cfg.model.name_or_path
-    (out / "README.md").write_text(
-        f"# {cfg.name} (muonrun export: LoRA adapter)\n\n{_exported_from(checkpoint, dtype)} The adapter of "
-        f"`{base}`.\n\n{note}\n\n```python\nfrom peft import PeftModel\nfrom transformers import "
-        f'AutoModelForCausalLM\n\nbase = AutoModelForCausalLM.from_pretrained("{base}")\n'
-        f'model = PeftModel.from_pretrained(base, "{shown_as}")\n```\n'
-    )
-    return out

@@ -1,6 +1,6 @@
 """Activation checkpointing, torch.compile and FSDP2 for a model on the meta device.
 
-Order matters (as in torchtitan): float8 conversion, then compile and checkpoint each decoder layer,
+Order matters (as in torchtitan): the features' conversions (float8), then compile and checkpoint each decoder layer,
 then `fully_shard` each layer, then the root (embedding, final norm and the possibly tied LM head).
 Parameter names never change: the wrappers patch `forward` in place.
 """
@@ -8,6 +8,7 @@ Parameter names never change: the wrappers patch `forward` in place.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from torch.utils.checkpoint import checkpoint
 
 from muonrun.config import ParallelConfig
 from muonrun.model.build import decoder_layers
+
+if TYPE_CHECKING:
+    from muonrun.features import Feature
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -43,11 +47,6 @@ def apply_compile_and_checkpointing(
             layer.compile(backend=backend)
 
 
-def apply_compile(layers: list[nn.Module], backend: str = "inductor") -> None:
-    """torch.compile every layer (no activation checkpointing)."""
-    apply_compile_and_checkpointing(layers, "none", True, backend)
-
-
 def apply_fsdp(
     model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, p: ParallelConfig, device_type: str
 ):
@@ -63,12 +62,12 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=p.reshard_after_forward)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig, device_type: str) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, p: ParallelConfig, device_type: str, features: list[Feature] = ()
+) -> nn.Module:
     layers = decoder_layers(model)
-    if p.float8 != "none":
-        from muonrun.features.float8 import apply_float8
-
-        apply_float8(model, p.float8)
+    for feature in features:
+        feature.convert(model)
     apply_compile_and_checkpointing(layers, p.activation_checkpointing, p.compile)
     apply_fsdp(model, layers, mesh, p, device_type)
     return model

@@ -50,6 +50,10 @@ def step_fields(row: dict, max_steps: int, eta: float | None) -> list[tuple[str,
         ("tok/s", f"{row['tokens_per_s']:,.0f}"),
         ("tok/s/dev", f"{row['tokens_per_s_per_device']:,.0f}"),
     ]
+    if row.get("aux_loss") is not None:  # mixture of experts: balance loss, busiest expert over the mean
+        fields.append(("aux", f"{row['aux_loss']:.4f}"))
+        if row.get("expert_load_max_mean") is not None:
+            fields.append(("load", f"{row['expert_load_max_mean']:.2f}x"))
     if row.get("mfu") is not None:
         fields.append(("mfu", f"{row['mfu'] * 100:.1f}%"))
     if row.get("peak_mem_gib") is not None:

@@ -16,6 +16,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,6 +63,21 @@ def optimizer_telemetry(optimizers) -> dict[str, torch.Tensor]:
     }
 
 
+@dataclass
+class PendingRow:
+    """A logged step's row, written at the next step once its reductions (queued, not waited for) are done."""
+
+    row: dict
+    reduced: HostCopy
+    """[mean loss, mean grad norm, then the MAX-reduced values named by `max_keys`] on the host."""
+    max_keys: list[str]
+    """Names of the MAX-reduced values after data wait: memory numbers, then telemetry."""
+    optimizer_times: list[Callable[[], float]]
+    steps: int
+    """Steps in the logging window."""
+    eta: float | None
+
+
 class Metrics:
     """What the trainer reports to: `start` once, `record` every step, `log_eval` after evaluations,
     `note` for messages, `close` at the end. Only rank 0 writes files; every rank joins the reductions."""
@@ -92,7 +108,7 @@ class Metrics:
             self.view = make_view("plain", prefix=f"[rank {d.rank}] ")
         self._start_step = 0
         self._t0 = time.perf_counter()
-        self._pending: tuple | None = None
+        self._pending: PendingRow | None = None
         self._reset_window()
 
     def _reset_window(self, start: float | None = None) -> None:
@@ -286,29 +302,31 @@ class Metrics:
         eta = None
         if done_steps := state.step - self._start_step:
             eta = (self.cfg.train.max_steps - state.step) * (now - self._t0) / done_steps
-        self._pending = (row, reduced, [*memory, *(telemetry or {})], timings, steps, eta)
+        self._pending = PendingRow(row, reduced, [*memory, *(telemetry or {})], timings, steps, eta)
         self._reset_window(start=now)
 
     def _flush(self) -> None:
         """Write the row queued by the last logged step (its reductions finished long ago)."""
         if self._pending is None:
             return
-        row, reduced, worst_keys, timings, steps, eta = self._pending
-        self._pending = None
-        loss, grad_norm, wait, *worst = reduced.values()
+        pending, self._pending = self._pending, None
+        row = pending.row
+        loss, grad_norm, wait, *worst = pending.reduced.values()
         row.update(
             loss=loss,
             grad_norm=grad_norm,
-            data_wait_time=wait / steps,
-            **dict(zip(worst_keys, worst, strict=True)),
+            data_wait_time=wait / pending.steps,
+            **dict(zip(pending.max_keys, worst, strict=True)),
         )
         if "alloc_retries" in row:
             row["alloc_retries"] = int(row["alloc_retries"])
-        if timings:
-            row["optimizer_step_time"] = sum(t() for t in timings) / len(timings)
+        if pending.optimizer_times:
+            row["optimizer_step_time"] = sum(t() for t in pending.optimizer_times) / len(
+                pending.optimizer_times
+            )
         self._write(row)
         if self.view is not None:
-            self.view.step(row, self.cfg.train.max_steps, eta)
+            self.view.step(row, self.cfg.train.max_steps, pending.eta)
 
     def log_eval(self, state, values: dict[str, float]) -> None:
         """An eval row. The evaluation ran since the last `record`; its time is kept out of step_time."""

@@ -5,9 +5,10 @@ columns (bf16, tf32, fp32) a run's matmuls use. How MFU is computed: docs/observ
 from __future__ import annotations
 
 import re
-import warnings
 
 import torch
+
+from muonrun import log
 
 # Dense (no sparsity) peak TFLOP/s per device from the vendors' datasheets: bf16 tensor cores, tf32 (fp32
 # matmuls when torch allows TF32) and plain fp32. A row matches when all its tokens are in the device name
@@ -55,9 +56,8 @@ def lookup_peak_tflops(device_name: str, precision: str) -> float | None:
             return peaks[precision]
     if device_name not in _warned_devices:
         _warned_devices.add(device_name)
-        warnings.warn(
+        log.warning(
             f"Unknown device '{device_name}': MFU is not reported. Set logging.peak_tflops (its dense "
-            f"{precision} TFLOP/s) to report it.",
-            stacklevel=2,
+            f"{precision} TFLOP/s) to report it."
         )
     return None

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import warnings
 from pathlib import Path
 
+from muonrun import log
 from muonrun.config import Config
 from muonrun.errors import UserError
 
@@ -127,9 +127,8 @@ def make_sinks(cfg: Config, out: Path) -> list:
         if _wandb_installed():
             sinks.append(WandbSink(cfg, out))
         else:
-            warnings.warn(
+            log.warning(
                 f"logging.wandb_project is '{cfg.logging.wandb_project}' but wandb is not installed "
-                "(pip install wandb); not logging to Weights & Biases.",
-                stacklevel=3,
+                "(pip install wandb); not logging to Weights & Biases."
             )
     return sinks

@@ -5,7 +5,7 @@ local tensors is stepping the DTensors. torch's own path sends every call throug
 dispatcher, which unwraps and checks the tensors one by one: host time per parameter, several times
 the local step's, which sets the step time wherever the host is the bottleneck (CPU runs above all;
 on a GPU the step's own work mostly hides it). `torchrun --standalone --nproc-per-node 2
-scripts/bench_host.py` measures both paths; docs/performance.md has the figures.
+benchmarks/bench_host.py` measures both paths; docs/performance.md has the figures.
 
 Everything else is torch's: hyperparameters, param groups, the state (moments stay DTensors, created
 by torch from the parameters, so Distributed Checkpoint saves and reshards them unchanged) and the

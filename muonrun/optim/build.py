@@ -14,6 +14,7 @@ from torch import nn
 
 from muonrun.config import OptimizerConfig
 from muonrun.optim.adamw import AdamW
+from muonrun.optim.experts import matrices_per_expert
 from muonrun.optim.groups import split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
@@ -36,7 +37,8 @@ def _adamw_groups(decay, no_decay, o: OptimizerConfig) -> list[dict]:
 
 def build_adamw(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
     split = split_params(model)
-    return [_adamw(_adamw_groups(split.muon + split.adamw_decay, split.adamw_no_decay, o), o, device_type)]
+    decay = split.muon + split.experts + split.adamw_decay
+    return [_adamw(_adamw_groups(decay, split.adamw_no_decay, o), o, device_type)]
 
 
 def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
@@ -44,8 +46,14 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
     m = o.muon
     split = split_params(model, muon_patterns=m.muon_patterns, adamw_patterns=m.adamw_patterns)
     weight_decay = m.weight_decay if m.weight_decay is not None else o.weight_decay
+    # Stacked experts: one group per number of matrices in an expert's slice (2 for a fused gate_up_proj).
+    by_count: dict[int, list] = {}
+    for name, p in split.experts:
+        by_count.setdefault(matrices_per_expert(name), []).append(p)
+    groups = [{"params": [p for _, p in split.muon], "peak_lr": m.lr}]
+    groups += [{"params": ps, "peak_lr": m.lr, "matrices_per_expert": k} for k, ps in by_count.items()]
     muon = Muon(
-        [{"params": [p for _, p in split.muon], "peak_lr": m.lr}],
+        [g for g in groups if g["params"]] or groups[:1],
         lr=m.lr,
         weight_decay=weight_decay,
         momentum=m.momentum,
@@ -58,6 +66,8 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         variant=m.variant,
         beta2=m.beta2,
         ns_dtype=ns_dtype_for(m.ns_dtype, device_type),
+        precondition=m.ns_precondition,
+        fused=m.fused if m.fused is not None else device_type == "cuda",
     )
     adamw_groups = _adamw_groups(split.adamw_decay, split.adamw_no_decay, o)
     # LoRA: when only the adapters train, all that trains is Muon's (their A and B) and no AdamW is needed.

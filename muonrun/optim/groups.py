@@ -4,11 +4,17 @@ Muon is for hidden 2-D matrices only (the Linear weights inside the decoder laye
 the LM head are 2-D too but are *not* hidden matrices, so the decision is made by module type and
 name, never by ``ndim`` alone:
 
-- ``muon``: weights of ``nn.Linear`` modules (2-D), except the output projection;
+- ``muon``: weights of ``nn.Linear`` modules (2-D), except the output projection, a gate with one
+  output (a Linear named ``gate`` or ``*_gate``: a scalar classifier) and an MoE router;
 - ``embedding``: ``nn.Embedding`` / ``nn.EmbeddingBag`` weights (a tied LM head is the same
   Parameter and is listed here, once; ``ParamSplit.tied_lm_head`` is then True);
 - ``lm_head``: the output projection's weight when it is not tied (found with
   ``model.get_output_embeddings()`` when the model has it, else by the module name ``lm_head``);
+- ``experts``: stacked expert weights of a mixture-of-experts layer (3-D ``[E, out, in]``
+  parameters of a ``*Experts`` module): Muon orthogonalises each expert's matrices on its own.
+  The router (a ``*Router`` module's ``[E, H]`` weight) and the shared expert's gate (a one-output
+  Linear named ``shared_expert_gate``) are classifiers and go to ``other`` (AdamW); the shared expert's Linears are hidden
+  matrices like any other (``muon``);
 - ``norm_bias``: norm weights, biases and every other parameter with fewer than 2 dims;
 - ``other``: any remaining parameter with 2+ dims that is not a Linear weight (custom
   ``nn.Parameter`` matrices, conv kernels, matrices forced to AdamW by a pattern). AdamW, with decay.
@@ -29,6 +35,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from muonrun.optim.experts import is_experts_module
+
 __all__ = ["ParamSplit", "clean_param_name", "split_params"]
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -48,11 +56,12 @@ class ParamSplit:
     muon: Named = field(default_factory=list)
     embedding: Named = field(default_factory=list)
     lm_head: Named = field(default_factory=list)
+    experts: Named = field(default_factory=list)
     norm_bias: Named = field(default_factory=list)
     other: Named = field(default_factory=list)
     tied_lm_head: bool = False
 
-    GROUPS = ("muon", "embedding", "lm_head", "norm_bias", "other")
+    GROUPS = ("muon", "embedding", "lm_head", "experts", "norm_bias", "other")
 
     @property
     def adamw(self) -> Named:
@@ -102,6 +111,13 @@ def _output_embedding_weight(model: nn.Module) -> nn.Parameter | None:
     return None
 
 
+def _scalar_gate(name: str, p: nn.Parameter) -> bool:
+    """A gate with one output (Qwen2-MoE's `shared_expert_gate`): a classifier, not a hidden matrix. By
+    name as well as shape: a LoRA A of rank 1 also has one row, and it is a hidden matrix."""
+    module_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    return p.shape[0] == 1 and (module_name == "gate" or module_name.endswith("_gate"))
+
+
 def split_params(
     model: nn.Module,
     muon_patterns: Iterable[str] | None = None,
@@ -126,6 +142,14 @@ def split_params(
         for m in model.modules()
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight is not None
     }
+    # An MoE block's router (its `gate` next to its `experts`) is a classifier, a Linear in some versions.
+    router_ids = {
+        id(m.gate.weight)
+        for m in model.modules()
+        if isinstance(getattr(m, "experts", None), nn.Module)
+        and is_experts_module(m.experts)
+        and isinstance(getattr(getattr(m, "gate", None), "weight", None), nn.Parameter)
+    }
     head = _output_embedding_weight(model)
     head_id = id(head) if head is not None else None
 
@@ -137,7 +161,9 @@ def split_params(
         forced_adamw = _matches(name, adamw_patterns)
         if forced_muon and forced_adamw:
             raise ValueError(f"parameter {name} matches both muon_patterns and adamw_patterns")
-        if forced_muon:
+        if forced_muon and p.ndim == 3 and module is not None and is_experts_module(module):
+            split.experts.append((name, p))
+        elif forced_muon:
             if p.ndim != 2:
                 raise ValueError(
                     f"muon_patterns matched {name} with shape {tuple(p.shape)}: Muon needs 2-D matrices"
@@ -149,7 +175,16 @@ def split_params(
             split.lm_head.append((name, p))
         elif p.ndim < 2:
             split.norm_bias.append((name, p))
-        elif isinstance(module, nn.Linear) and p is module.weight and p.ndim == 2 and not forced_adamw:
+        elif p.ndim == 3 and module is not None and is_experts_module(module) and not forced_adamw:
+            split.experts.append((name, p))
+        elif (
+            isinstance(module, nn.Linear)
+            and p is module.weight
+            and p.ndim == 2
+            and not _scalar_gate(name, p)
+            and id(p) not in router_ids
+            and not forced_adamw
+        ):
             split.muon.append((name, p))
         else:
             split.other.append((name, p))

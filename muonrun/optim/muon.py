@@ -35,32 +35,22 @@ With the same arguments and gradients, :class:`Muon` gives the parameters that
 ``variant="normuon"`` (NorMuon) replaces ``O`` by ``normuon_normalize(O, v, beta2, normuon_eps)``:
 each row divided by the root of an EMA ``v`` of its mean square, then the matrix rescaled to the
 Frobenius norm ``sqrt(min(A, B))`` of an orthogonal one; with ``adjust_lr_fn="match_rms_adamw"`` the
-step is the paper's ``0.2 * lr * sqrt(A B) / ||Ô||_F * Ô``. The owner computes it in fp32 and
-returns it in ``ns_dtype``.
+step is the paper's ``0.2 * lr * sqrt(A B) / ||Ô||_F * Ô``. The owner computes one fp32 factor per
+row from the rows' sums of squares (``normuon_row_scale``) and scales ``O`` in place, in ``ns_dtype``.
 
 Distributed algorithm (FSDP2 / HSDP)
 ------------------------------------
-FSDP2 parameters are DTensors sharded on dim 0 (``torch.chunk`` layout: ``c = ceil(rows/W)`` rows per
-rank, the last ranks may get fewer or none). Every matrix is orthogonalised exactly once per shard
-group:
+Every matrix is orthogonalised exactly once per shard group: momentum runs on each rank's local rows,
+one all-to-all per bucket of same-shaped matrices sends the rows to the matrix's owner rank (owners
+balanced by Newton–Schulz FLOPs), the owner runs Newton–Schulz batched, a second all-to-all returns
+the rows, and each rank applies its update; ``muonrun.optim.sharding`` gives the steps in full.
+Any placement but FSDP2's ``Shard(0)`` (and HSDP's replicate dimension) is rejected.
 
-1. momentum / Nesterov run elementwise on each rank's local rows (``torch._foreach_*``);
-2. same-shaped matrices are grouped, groups are packed into buckets ("megabatches"), and every
-   matrix gets an owner rank so that the ranks' Newton–Schulz FLOPs are balanced
-   (``muonrun.optim.sharding.assign_owners``);
-3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (in ``ns_dtype``, padded
-   to ``c`` rows; NorMuon: with the rows' fp32 ``v`` appended bit for bit) to j's owner;
-4. the owner reassembles its matrices, strips the padding and runs Newton–Schulz batched
-   (``torch.baddbmm``) over all the matrices of one shape it owns (NorMuon: then normalises them,
-   which needs the whole matrix, and updates ``v``);
-5. a second ``all_to_all_single`` returns each rank its rows of the result (and of ``v``), which it
-   applies (weight decay + scaled update) to its local shard.
-
-The collectives are asynchronous and pipelined: while bucket ``b`` is being orthogonalised, the
-exchange for bucket ``b + 1`` is in flight. Traffic is about two ``ns_dtype`` copies of a rank's
-shard. On an HSDP mesh ``(dp_replicate, dp_shard)`` the exchange runs over the ``Shard(0)`` mesh
-dimension (gradients are already averaged over the replicate one). Any other placement (e.g. a
-tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
+Stacked experts (mixture of experts)
+------------------------------------
+A 3-D ``[E, out, in]`` parameter in a param group with ``matrices_per_expert`` set is a batch of
+expert matrices, each orthogonalised on its own on the rank that holds the expert, with no exchange
+(``muonrun.optim.experts`` says how; other 3-D parameters are refused).
 
 Optimizer state is one ``momentum_buffer`` per matrix with the parameter's type and placement
 (AdamW keeps two), and for NorMuon a ``second_moment`` (fp32, one entry per row, a 1-D DTensor with
@@ -68,13 +58,12 @@ the parameter's mesh and placements, so each rank holds its rows' entries), pres
 so ``torch.distributed.checkpoint`` saves and reshards them unchanged.
 
 Step times against AdamW are in docs/performance.md; ``torchrun --nproc-per-node N
-tests/dist/muon_bench.py`` measures them on GPUs, ``scripts/bench_muon_cpu.py`` on CPUs.
+tests/dist/muon_bench.py`` measures them on GPUs, ``muonrun bench tiny`` on CPUs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -82,21 +71,25 @@ from torch import Tensor
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
+from muonrun.optim.experts import check_stacked, expert_rows_like, step_stacked
+from muonrun.optim.fused import Passes
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    PRECONDITIONS,
     Coefficients,
     NSCoefficients,
     adjust_lr,
     newton_schulz_flops,
-    normuon_normalize,
+    normuon_row_scale,
     ns_iterations,
     orthogonality_residual,
     resolve_ns_coefficients,
     uses_gram_form,
 )
+from muonrun.optim.settings import NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
@@ -111,52 +104,9 @@ from muonrun.optim.telemetry import Sums, sum_of_squares
 
 __all__ = ["Muon"]
 
+
 VARIANTS = ("muon", "normuon")
 NS_DTYPES = (torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class NSSettings:
-    """How one param group's matrices are orthogonalised (and, for NorMuon, normalised on the owner);
-    matrices that share it batch together."""
-
-    per_step: tuple[Coefficients, ...]
-    norm_scale: float
-    eps: float
-    normuon: tuple[float, float] | None  # NorMuon's (beta2, eps); None: plain Muon
-
-    @classmethod
-    def of(cls, group: dict) -> NSSettings:
-        per_step, norm_scale = resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
-        normuon = (float(group["beta2"]), float(group["normuon_eps"]))
-        return cls(
-            per_step, norm_scale, float(group["eps"]), normuon if group["variant"] == "normuon" else None
-        )
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """One param group's hyperparameters, read once per step (the schedule may change ``lr``)."""
-
-    lr: float
-    weight_decay: float
-    momentum: float
-    nesterov: bool
-    adjust_lr_fn: str | None
-
-    @classmethod
-    def of(cls, group: dict) -> StepSettings:
-        return cls(
-            lr=_to_float(group["lr"]),
-            weight_decay=float(group["weight_decay"]),
-            momentum=float(group["momentum"]),
-            nesterov=bool(group["nesterov"]),
-            adjust_lr_fn=group["adjust_lr_fn"],
-        )
-
-
-def _to_float(x: float | Tensor) -> float:
-    return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
 class Muon(torch.optim.Optimizer):
@@ -178,7 +128,14 @@ class Muon(torch.optim.Optimizer):
       docstring) with ``beta2``, the EMA coefficient of each row's second moment, and
       ``normuon_eps``, added to its root;
     - ``ns_dtype``: ``torch.bfloat16`` (torch's) or ``torch.float32``, for Newton–Schulz and the
-      exchange (``newton_schulz.ns_dtype_for`` says which is faster where; docs/performance.md).
+      exchange (``newton_schulz.ns_dtype_for`` says which is faster where; docs/performance.md);
+    - ``precondition`` (per param group): ``"frobenius"`` (torch's) or ``"aol"``, Turbo-Muon's row
+      scaling taken from the first Gram product (``newton_schulz.Scaling``), meant for the shorter
+      ``ns_coefficients="turbo"`` table;
+    - ``fused`` (default False): the momentum, Nesterov look-ahead and cast into the exchange
+      buffer as one compiled pass, the decay and update as another (``muonrun.optim.fused``;
+      compiled on GPUs, the same foreach ops run eagerly elsewhere): fewer passes over memory, the
+      same arithmetic up to fp32 rounding.
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -202,6 +159,9 @@ class Muon(torch.optim.Optimizer):
     collect_telemetry: bool = False
     """Fill ``self.telemetry`` during ``step()`` (see the class docstring); set by the trainer."""
 
+    compile_backend = None
+    """With ``fused``: a torch.compile backend (name or callable) for its passes on any device (tests)."""
+
     def __init__(
         self,
         params: Iterable,
@@ -220,10 +180,12 @@ class Muon(torch.optim.Optimizer):
         beta2: float = 0.95,
         normuon_eps: float = 1e-8,
         ns_dtype: torch.dtype = torch.bfloat16,
+        precondition: str = "frobenius",
+        fused: bool = False,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
-        if not _to_float(lr) >= 0.0:
+        if not to_float(lr) >= 0.0:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
         if not momentum >= 0.0:
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
@@ -245,11 +207,15 @@ class Muon(torch.optim.Optimizer):
             "variant": variant,
             "beta2": beta2,
             "normuon_eps": normuon_eps,
+            "precondition": precondition,
+            "matrices_per_expert": None,  # set in a group of stacked experts: 1, or 2 for gate_up_proj
         }
         super().__init__(params, defaults)
         self.bucket_numel = int(bucket_numel)
         self.gram = bool(gram)
         self.ns_dtype = ns_dtype
+        self.fused = bool(fused)
+        self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
         self._sums: Sums | None = None  # this step's telemetry terms, while collecting
@@ -270,23 +236,22 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
         if not 0.0 <= group["beta2"] < 1.0:
             raise ValueError(f"beta2 should be in [0, 1) but is: {group['beta2']}")
+        if group["precondition"] not in PRECONDITIONS:
+            raise ValueError(f"precondition must be one of {PRECONDITIONS}, got {group['precondition']!r}")
         resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
         for i, p in enumerate(group["params"]):
             name = self._param_name(gi, i, p)
-            if p.ndim != 2:
+            if p.ndim == 3 and group["matrices_per_expert"]:  # stacked experts [E, out, in]
+                check_stacked(p, group["matrices_per_expert"], name)
+            elif p.ndim != 2:
                 raise ValueError(
-                    f"Muon only supports 2D parameters whereas we found {name}. Embeddings, the LM head, "
-                    "norms and biases belong to AdamW (see muonrun.optim.groups.split_params)."
+                    f"Muon only supports 2D parameters (and 3D stacked experts) whereas we found {name}. "
+                    "Embeddings, the LM head, norms and biases belong to AdamW (see "
+                    "muonrun.optim.groups.split_params)."
                 )
             if torch.is_complex(p):
                 raise ValueError(f"Muon does not support complex parameters ({name})")
             shard_info(p, name)  # raises for layouts other than FSDP/HSDP
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:  # param groups saved before these settings existed
-            for key in ("variant", "beta2", "normuon_eps"):
-                group.setdefault(key, self.defaults[key])
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -302,7 +267,7 @@ class Muon(torch.optim.Optimizer):
             (gi, i, p)
             for gi, group in enumerate(self.param_groups)
             for i, p in enumerate(group["params"])
-            if p.grad is not None
+            if p.grad is not None and p.ndim == 2
         ]
         key = (tuple((gi, id(p)) for gi, _, p in active), ns, self.ns_dtype, self.gram)
         if self._plan is None or key != self._plan_key:
@@ -320,6 +285,7 @@ class Muon(torch.optim.Optimizer):
             ]
             self._plan = build_plan(entries, self.bucket_numel)
             self._plan_key = key
+            self._passes = Passes.choose(self.fused, self._plan, self.compile_backend)
         return self._plan
 
     @torch.no_grad()
@@ -331,13 +297,23 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         plan = self._get_plan()
         settings = [StepSettings.of(group) for group in self.param_groups]
-        if self.collect_telemetry and plan:
-            self._sums = Sums(("update", "momentum", "ortho_residual"), plan[0].device)
+        stacked = [
+            (gi, p)
+            for gi, g in enumerate(self.param_groups)
+            for p in g["params"]
+            if p.ndim == 3 and p.grad is not None
+        ]
+        if self.collect_telemetry and (plan or stacked):
+            device = plan[0].device if plan else local_tensor(stacked[0][1]).device
+            self._sums = Sums(("update", "momentum", "ortho_residual"), device)
         for part in plan:
             self._step_partition(part, settings)
+        for gi, p in stacked:
+            step_stacked(self, gi, p, settings[gi])
         if self._sums is not None:
             total, self._sums = self._sums.total(), None
             numel = sum(it.rows * it.cols for part in plan for b in part.buckets for it in b.items)
+            numel += sum(p.numel() for _, p in stacked)
             self.telemetry = {
                 "update_rms": (total["update"] / numel).sqrt(),
                 "momentum_norm": total["momentum"].sqrt(),
@@ -352,10 +328,11 @@ class Muon(torch.optim.Optimizer):
         return state["momentum_buffer"]
 
     def _second_moment(self, p: Tensor) -> Tensor:
-        """NorMuon's per-row EMA of the mean square of the Newton–Schulz result (fp32, rows of p)."""
+        """NorMuon's per-row EMA of the mean square of the Newton–Schulz result (fp32, rows of p; a
+        stacked expert parameter's [E, out], laid out like its experts)."""
         state = self.state[p]
         if "second_moment" not in state:
-            state["second_moment"] = rows_like(p)
+            state["second_moment"] = expert_rows_like(p) if p.ndim == 3 else rows_like(p)
         return state["second_moment"]
 
     def _prepare(self, part: Partition, bucket: Bucket, settings: Sequence[StepSettings]) -> Tensor:
@@ -373,9 +350,7 @@ class Muon(torch.optim.Optimizer):
                 dsts.append(
                     send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
                 )
-            compat.foreach_lerp_(bufs, grads, 1 - momentum)
-            upd = compat.foreach_lerp(grads, bufs, momentum) if nesterov else bufs
-            compat.foreach_copy_(dsts, upd)
+            self._passes.momentum((id(bucket), gi), bufs, grads, dsts, momentum, nesterov)
             if self._sums is not None:
                 self._sums.add(part.shard.group, "momentum", sum_of_squares(bufs))
         if part.ns.normuon:  # type: ignore[attr-defined]
@@ -385,10 +360,11 @@ class Muon(torch.optim.Optimizer):
             send[lo:hi].zero_()
         return send
 
-    def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients]) -> Tensor:
-        """Newton–Schulz on a normalised stack of owned matrices: torch.optim.Muon's sequence, or the
-        Gram form where ``gram`` takes it. Tests override it to step with another evaluation."""
-        return ns_iterations(X, per_step, gram=self.gram)
+    def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients], **kw) -> Tensor:
+        """Newton–Schulz on a stack of owned matrices (``ns_iterations``: ``scaling``, ``out``):
+        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it. Tests override it to
+        step with another evaluation."""
+        return ns_iterations(X, per_step, gram=self.gram, **kw)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz
@@ -398,31 +374,40 @@ class Muon(torch.optim.Optimizer):
         ns: NSSettings = part.ns  # type: ignore[assignment]
         grid = recv.view(W, bucket.per_source)
         sample = part.buckets[0].items[0] if self._sums is not None and part is self._plan[0] else None
+        scaling = ns.scaling()
         for own in bucket.owned:
             k, R, C, c = own.count, own.rows, own.cols, own.chunk
             run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
             slabs = run[..., : c * C].view(W, k, c, C)
-            # padding rows are zero, so the norm over whole slabs is the matrix's Frobenius norm
-            norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
-            if ns.norm_scale != 1.0:
-                norm = norm * ns.norm_scale
-            norm = norm.clamp_(min=ns.eps)
-            if W == 1:
-                X = slabs[0].div_(norm.view(k, 1, 1))  # in place: the buffer is ours
+            if scaling is not None:  # scaled inside the first Gram product: no pass of its own
+                norm = None
+            else:  # padding rows are zero, so the norm over whole slabs is the matrix's Frobenius norm
+                norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
+                if ns.norm_scale != 1.0:
+                    norm = norm * ns.norm_scale
+                norm = norm.clamp_(min=ns.eps).view(k, 1, 1)
+            if W == 1:  # the buffer is ours: normalised in place, the result written back into it
+                X = slabs[0] if norm is None else slabs[0].div_(norm)
+                out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=slabs[0])
             else:
                 full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
-                torch.div(slabs.transpose(0, 1), norm.view(k, 1, 1, 1), out=full.view(k, W, c, C))
+                if norm is None:
+                    full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
+                else:
+                    torch.div(slabs.transpose(0, 1), norm.unsqueeze(-1), out=full.view(k, W, c, C))
                 X = full[:, :R]
-            out = self._newton_schulz(X, ns.per_step)
+                out = self._newton_schulz(X, ns.per_step, scaling=scaling)
             if own.first is sample:  # reported by its owner, summed with the others' zeros
                 self._sums.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
             if ns.normuon:
                 states = run[..., own.state_at : own.state_at + c * own.first.row_state]
                 states = states.view(torch.float32)  # [W, k, c]: v of every row, fp32 bit for bit
                 v = states.transpose(0, 1).reshape(k, W * c)[:, :R]
-                out, v = normuon_normalize(out, v, *ns.normuon)
+                factor, v = normuon_row_scale(out, v, *ns.normuon)
+                out.mul_(factor.unsqueeze(-1))  # each row scaled in place, rounded once
                 scatter_rows(states, v, c)
-            scatter_rows(slabs, out, c)
+            if W > 1:
+                scatter_rows(slabs, out, c)
             self.stats["orthogonalized"] += k
             self.stats["gram"] += k * (self.gram and uses_gram_form(X.shape, len(ns.per_step)))
 
@@ -443,15 +428,12 @@ class Muon(torch.optim.Optimizer):
                 compat.foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
                 deltas += d
             self._sums.add(part.shard.group, "update", sum_of_squares(deltas))
-        for gi, items in bucket.by_group:
-            factor = 1 - settings[gi].lr * settings[gi].weight_decay
-            if factor != 1.0:
-                compat.foreach_mul_([local_tensor(it.param) for it in items], factor)
+        runs = []  # per (group, shape): params, updates, decay factor, update scale
         for gi, rows, cols, items in bucket.by_update:
             s = settings[gi]
-            ps = [local_tensor(it.param) for it in items]
-            us = [views[id(it)] for it in items]
-            compat.foreach_add_(ps, us, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+            ps, us = [local_tensor(it.param) for it in items], [views[id(it)] for it in items]
+            runs.append((ps, us, 1 - s.lr * s.weight_decay, -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))))
+        self._passes.decay_and_update((id(bucket),), runs)
         if part.ns.normuon:  # type: ignore[attr-defined]
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
             compat.foreach_copy_(vs, [it.state_view(result) for it in bucket.items])

@@ -1,7 +1,9 @@
 """Newton–Schulz orthogonalisation and Muon's learning-rate scaling: pure functions of tensors.
 
 ``newton_schulz(G)`` approximates the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` (in bf16
-unless asked otherwise); ``normuon_normalize`` is NorMuon's per-row normalisation of that result;
+unless asked otherwise), its input divided by its Frobenius norm or scaled by AOL (``Scaling``);
+``normuon_normalize`` is NorMuon's per-row normalisation of that result (``normuon_row_scale``: the
+same as one factor per row);
 ``adjust_lr`` scales the learning rate by the matrix shape; ``newton_schulz_flops`` counts the
 matmul FLOPs of one call (the dry-run plan and Muon's owner balancing use it);
 ``orthogonality_residual`` measures how orthogonal a result is. Imports only torch.
@@ -19,11 +21,15 @@ References
   lr scaling ``sqrt(A/B)``.
 - Z. Li, L. Liu, C. Liang, W. Chen, T. Zhao, "NorMuon: Making Muon more efficient and scalable",
   arXiv:2510.05491 -- the per-row second-moment normalisation (``normuon_normalize``).
+- T. Boissin, T. Massena, F. Mamalet, M. Serrurier, "Turbo-Muon: Accelerating Orthogonality-Based
+  Optimization with Pre-Conditioning", arXiv:2512.04632 -- AOL scaling and the ``"turbo"`` table
+  (AOL: B. Prach, C. H. Lampert, "Almost-Orthogonal Layers for Efficient General-Purpose Lipschitz
+  Networks", arXiv:2208.03160).
 - J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
   Algorithm for Muon" (blog, 2026), https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on
   the Gram matrix ``X X^T``, stabilised by a restart (``gram=True``).
 
-``python scripts/gram_ns_numerics.py`` compares the standard and Gram forms with the exact polar
+``python benchmarks/gram_ns_numerics.py`` compares the standard and Gram forms with the exact polar
 factor in bf16; docs/performance.md has their cost on the presets.
 """
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,11 +46,15 @@ __all__ = [
     "ADJUST_LR_FNS",
     "DEFAULT_NS_COEFFICIENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
+    "PRECONDITIONS",
+    "TURBO_COEFFICIENTS",
+    "Scaling",
     "adjust_lr",
     "gram_iterations",
     "newton_schulz",
     "newton_schulz_flops",
     "normuon_normalize",
+    "normuon_row_scale",
     "ns_dtype_for",
     "ns_iterations",
     "orthogonality_residual",
@@ -52,13 +63,16 @@ __all__ = [
     "uses_gram_form",
 ]
 
+Coefficients = tuple[float, float, float]
+NSCoefficients = Coefficients | Sequence[Coefficients] | str
+
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
 DEFAULT_EPS = 1e-7
 DEFAULT_NS_STEPS = 5
 
 # Polar Express, 5 iterations, as published in modded-nanogpt (arXiv:2505.16932). These already carry
 # the paper's safety factor; the input is normalised by ``1.02 * ||X||_F`` instead of ``||X||_F``.
-# scripts/polar_express_coefficients.py rebuilds the table by the paper's greedy minimax construction
+# benchmarks/polar_express_coefficients.py rebuilds the table by the paper's greedy minimax construction
 # (l_0 = 1e-3, cushion 0.02, safety factor 1.02 on every iteration but the last) to 1e-14 relative.
 POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -69,18 +83,33 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
 )
 POLAR_EXPRESS_NORM_SCALE = 1.02
 
+# Turbo-Muon's 4-iteration table for AOL-scaled inputs (T. Boissin et al., arXiv:2512.04632, as
+# microsoft/dion ships it in newton_schulz_triton_fast), found by its authors' search for inputs
+# scaled by AOL; with ``precondition="aol"`` it stands in for 5 iterations of the default quintic.
+# It keeps singular values up to 1.1 bounded (AOL bounds them by 1, bf16 rounding may pass it).
+# A minimax refit for AOL-scaled gradient-like spectra under that bound (benchmarks/ns_levers_numerics.py
+# --fit) trades its gains on flat spectra for no better than 1.17x the default's distance on steep ones.
+TURBO_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
+    (4.6051, -9.6552, 5.6769),
+    (4.7505, -6.0861, 2.1790),
+    (2.7763, -2.3190, 0.5523),
+    (2.4231, -2.2861, 0.8193),
+)
+PRECONDITIONS = ("frobenius", "aol")
+NAMED_TABLES: dict[str, tuple[tuple[Coefficients, ...], float]] = {
+    "polar_express": (POLAR_EXPRESS_COEFFICIENTS, POLAR_EXPRESS_NORM_SCALE),
+    "turbo": (TURBO_COEFFICIENTS, 1.0),
+}
+
 # Gram form: restart from the current X before this iteration, because without a restart the bf16
 # rounding in the Gram matrix compounds until the result is useless; with one before the third
 # iteration it is as close to the exact polar factor as the standard iteration
-# (scripts/gram_ns_numerics.py). It is used only for matrices at least GRAM_MIN_ASPECT times wider
+# (benchmarks/gram_ns_numerics.py). It is used only for matrices at least GRAM_MIN_ASPECT times wider
 # than tall: on square ones it costs more FLOPs than the standard iteration.
 GRAM_RESTART = 2
 GRAM_MIN_ASPECT = 1.5
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
-
-Coefficients = tuple[float, float, float]
-NSCoefficients = Coefficients | Sequence[Coefficients] | str
 
 
 def resolve_ns_coefficients(
@@ -92,7 +121,7 @@ def resolve_ns_coefficients(
     sequence of triples (one per iteration, the last one repeated if ``steps`` is longer), or the
     string ``"polar_express"``: the 5-iteration table, cut to its first ``steps`` rows or with its
     last row repeated. The greedy tables built for 3 or 4 iterations
-    (scripts/polar_express_coefficients.py) are the cut table with the safety factor taken off the
+    (benchmarks/polar_express_coefficients.py) are the cut table with the safety factor taken off the
     last row; on gradient-like matrices they are as close to the polar factor as the cut table (within
     2%) and neither reaches the default quintic at 5 iterations (1.4x its distance at 4 iterations,
     2x at 3), so fewer Polar Express iterations do not save FLOPs at equal error.
@@ -101,12 +130,11 @@ def resolve_ns_coefficients(
         raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
     norm_scale = 1.0
     if isinstance(coefficients, str):
-        if coefficients != "polar_express":
+        if coefficients not in NAMED_TABLES:
             raise ValueError(
-                f"unknown ns_coefficients {coefficients!r} (expected a triple or 'polar_express')"
+                f"unknown ns_coefficients {coefficients!r} (expected a triple or one of {tuple(NAMED_TABLES)})"
             )
-        table: Sequence = POLAR_EXPRESS_COEFFICIENTS
-        norm_scale = POLAR_EXPRESS_NORM_SCALE
+        table, norm_scale = NAMED_TABLES[coefficients]
     elif len(coefficients) == 3 and all(isinstance(x, (int, float)) for x in coefficients):
         table = [tuple(coefficients)]
     else:
@@ -127,6 +155,8 @@ def newton_schulz(
     fold_identity: bool = False,
     gram: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    precondition: str = "frobenius",
+    fold_scaling: bool = False,
 ) -> Tensor:
     """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in ``dtype`` (bf16).
 
@@ -140,19 +170,29 @@ def newton_schulz(
     ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``).
     ``dtype=torch.float32`` runs the same sequence in fp32 (on CPUs without native bf16 matmuls it is
     several times faster: docs/performance.md).
+    ``precondition="aol"`` scales the input by AOL instead of its Frobenius norm, and
+    ``fold_scaling=True`` folds the Frobenius normalisation into the first iteration (``Scaling``;
+    AOL is always folded).
     Returns a contiguous tensor of ``G``'s shape in ``dtype``.
     """
     per_step, default_scale = resolve_ns_coefficients(coefficients, steps)
     scale = default_scale if norm_scale is None else norm_scale
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
+    if precondition not in PRECONDITIONS:
+        raise ValueError(f"unknown precondition {precondition!r}; expected one of {PRECONDITIONS}")
     rows, cols = G.shape[-2], G.shape[-1]
     X = G.to(dtype).reshape(-1, rows, cols)
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    if scale != 1.0:
-        norm = norm * scale
-    X = X / norm.clamp(min=eps)  # new tensor: never writes into G
-    return ns_iterations(X, per_step, gram=gram, fold_identity=fold_identity).reshape(G.shape)
+    scaling = None
+    if precondition == "aol" or fold_scaling:
+        scaling = Scaling(precondition, scale, eps)  # the iterations never write into X (nor G)
+    else:
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+        if scale != 1.0:
+            norm = norm * scale
+        X = X / norm.clamp(min=eps)  # new tensor: never writes into G
+    out = ns_iterations(X, per_step, gram=gram, fold_identity=fold_identity, scaling=scaling)
+    return out.reshape(G.shape)
 
 
 def ns_dtype_for(name: str, device_type: str) -> torch.dtype:
@@ -160,7 +200,7 @@ def ns_dtype_for(name: str, device_type: str) -> torch.dtype:
     and on x86 CPUs with native bf16 dot products (AVX512-BF16, also on AMX CPUs), where it is two to
     three times faster than fp32; fp32 on other CPUs, where bf16 matmuls are emulated and 2.5x
     (AVX-512) to tens of times (AVX2) slower than fp32 (docs/performance.md;
-    ``ATEN_CPU_CAPABILITY=avx2`` makes this say fp32, scripts/bench_muon_cpu.py measures both)."""
+    ``ATEN_CPU_CAPABILITY=avx2`` makes this say fp32; docs/performance.md has both speeds)."""
     if name != "auto":
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
     if device_type != "cpu":
@@ -176,16 +216,30 @@ def uses_gram_form(shape: Sequence[int], steps: int) -> bool:
 
 
 def ns_iterations(
-    X: Tensor, per_step: Sequence[Coefficients], *, gram: bool = False, fold_identity: bool = False
+    X: Tensor,
+    per_step: Sequence[Coefficients],
+    *,
+    gram: bool = False,
+    fold_identity: bool = False,
+    scaling: Scaling | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """Newton–Schulz on a normalised stack ``[k, rows, cols]``: with ``gram``, the Gram form where
-    ``uses_gram_form``; else the standard one. Returns a new contiguous tensor."""
+    """Newton–Schulz on a stack ``[k, rows, cols]``: with ``gram``, the Gram form where
+    ``uses_gram_form``; else the standard one. ``X`` is normalised, or with ``scaling`` it is not and
+    its scale is folded into the first iteration. Returns a new contiguous tensor, or ``out``."""
     if gram and uses_gram_form(X.shape, len(per_step)):
-        return gram_iterations(X, per_step)
-    return standard_iterations(X, per_step, fold_identity)
+        return gram_iterations(X, per_step, scaling=scaling, out=out)
+    return standard_iterations(X, per_step, fold_identity, scaling=scaling, out=out)
 
 
-def standard_iterations(X: Tensor, per_step: Sequence[Coefficients], fold_identity: bool = False) -> Tensor:
+def standard_iterations(
+    X: Tensor,
+    per_step: Sequence[Coefficients],
+    fold_identity: bool = False,
+    *,
+    scaling: Scaling | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
     """Newton–Schulz iterations on a normalised stack (bf16 or fp32) ``[k, rows, cols]`` (returns a new tensor).
 
     ``fold_identity=False`` computes ``a X + B X`` with ``baddbmm(X, B, X, beta=a)`` like
@@ -195,21 +249,46 @@ def standard_iterations(X: Tensor, per_step: Sequence[Coefficients], fold_identi
     happens (the diagonal of ``B + a I`` is stored in bf16): about 2% of the output's norm, the same
     as torch's own output moves when its input moves by one bf16 ulp, and equally close to the
     exact polar factor.
+
+    ``scaling`` (see ``Scaling``): ``X`` is not normalised; its scale comes from the first Gram
+    product ``A = X X^T`` and is folded into the first iteration, which computes ``(B' + a I) D X``
+    with ``A' = D A D`` (``D`` diagonal), so no pass over the full-size ``X`` normalises it.
+    ``out``: a tensor of ``X``'s shape and dtype the last product writes into (it may be ``X``'s
+    own memory, then a copy is made); returned in place of a new tensor.
     """
     tall = X.shape[-2] > X.shape[-1]
-    for a, b, c in per_step:
+    if not per_step:
+        return _finish(X if scaling is None else scale_input(X, scaling), out)
+    last = len(per_step) - 1
+    for i, (a, b, c) in enumerate(per_step):
         A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)  # tall: the iteration on X^T
+        d = None
+        if i == 0 and scaling is not None:
+            d = gram_scale(A, scaling).to(A.dtype)  # one D for A and X: same-dtype passes are the fast ones
+            A.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))  # A' = D A D, in place
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        if fold_identity:
+        dst = out if i == last and out is not None and not _overlaps(out, X) else None
+        if fold_identity or d is not None:
             B.diagonal(dim1=-2, dim2=-1).add_(a)
-            X = torch.bmm(X, B.mT) if tall else torch.bmm(B, X)
+            if d is not None:
+                B.mul_(d.unsqueeze(-2))  # (B' + a I) D: the scale of X folded into the product
+            X = torch.bmm(X, B.mT, out=dst) if tall else torch.bmm(B, X, out=dst)
         else:
-            X = torch.baddbmm(X, X, B.mT, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
-    return X.contiguous()
+            X = (
+                torch.baddbmm(X, X, B.mT, beta=a, out=dst)
+                if tall
+                else torch.baddbmm(X, B, X, beta=a, out=dst)
+            )
+    return _finish(X, out)
 
 
 def gram_iterations(
-    X: Tensor, per_step: Sequence[Coefficients], restart: int | None = GRAM_RESTART
+    X: Tensor,
+    per_step: Sequence[Coefficients],
+    restart: int | None = GRAM_RESTART,
+    *,
+    scaling: Scaling | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The same iterations on the Gram matrix of a normalised stack ``[k, rows, cols]``.
 
@@ -219,28 +298,95 @@ def gram_iterations(
     they commute), but the n-sized products happen only at the start, at the restart (``X <- Q X``,
     ``R <- X X^T`` before iteration ``restart``, which stops bf16 rounding in R from compounding)
     and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5 iterations instead of 20 m^2 n + 10 m^3.
-    ``restart=None`` never restarts (for the numerics study, scripts/gram_ns_numerics.py).
+    ``restart=None`` never restarts (for the numerics study, benchmarks/gram_ns_numerics.py).
+    ``scaling`` and ``out`` as in ``standard_iterations``: with ``scaling`` the first ``R`` gives the
+    diagonal scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
     """
     tall = X.shape[-2] > X.shape[-1]
 
     def gram(Y: Tensor) -> Tensor:
         return torch.bmm(Y.mT, Y) if tall else torch.bmm(Y, Y.mT)
 
-    def apply(Q: Tensor, Y: Tensor) -> Tensor:  # Q X on the wide orientation
-        return torch.bmm(Y, Q.mT) if tall else torch.bmm(Q, Y)
+    def apply(Q: Tensor, Y: Tensor, d: Tensor | None, dst: Tensor | None = None) -> Tensor:  # Q D X
+        if d is not None:
+            Q = Q.mul_(d.unsqueeze(-2))
+        return torch.bmm(Y, Q.mT, out=dst) if tall else torch.bmm(Q, Y, out=dst)
 
-    R, Q = gram(X), None
+    if not per_step:
+        return _finish(X if scaling is None else scale_input(X, scaling), out)
+    R, Q, d = gram(X), None, None
+    if scaling is not None:
+        d = gram_scale(R, scaling).to(R.dtype)
+        R.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
         if i == restart and Q is not None:
-            X = apply(Q, X)
+            X, d = apply(Q, X, d), None
             R, Q = gram(X), None
         P = torch.baddbmm(R, R, R, beta=b, alpha=c)
         P.diagonal(dim1=-2, dim2=-1).add_(a)
         Q = P if Q is None else torch.bmm(P, Q)
         if i < last and i + 1 != restart:  # the next iteration needs R; a restart rebuilds it
             R = torch.bmm(torch.bmm(P, R), P)
-    return apply(Q, X).contiguous()
+    dst = out if out is not None and not _overlaps(out, X) else None
+    return _finish(apply(Q, X, d, dst), out)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How an un-normalised input is scaled, from its first Gram product ``A`` (``X X^T`` on the wide
+    orientation, ``m x m``), instead of by a separate pass over ``X``:
+
+    - ``"frobenius"``: ``X / max(norm_scale * ||X||_F, eps)``, with ``||X||_F^2 = trace(A)``: torch's
+      normalisation, folded (it differs from dividing first by where the bf16 roundings fall);
+    - ``"aol"`` (Turbo-Muon's AOL preconditioning, arXiv:2512.04632): ``D X`` with
+      ``D_ii = (sum_j |A_ij|)^(-1/2)``, the diagonal rescaling that bounds the spectral norm by 1
+      (Prach and Lampert's almost-orthogonal layers, arXiv:2208.03160). It brings the singular values
+      of gradient-like matrices 1.2-3x closer to 1 than the Frobenius norm does, so a shorter
+      coefficient table (``TURBO_COEFFICIENTS``) can reach the same distance to the polar factor. A
+      row scaling changes the polar factor itself a little (it is not a scalar): the distance to
+      the polar factor of the input is what benchmarks/ns_levers_numerics.py measures.
+    """
+
+    kind: str = "frobenius"
+    norm_scale: float = 1.0
+    eps: float = DEFAULT_EPS
+
+
+def gram_scale(A: Tensor, scaling: Scaling) -> Tensor:
+    """The diagonal of ``D`` (fp32 ``[k, m]``) for the first Gram product ``A`` ``[k, m, m]``."""
+    if scaling.kind == "aol":  # row sums of |A|, read once (fp32 accumulation)
+        dtype = torch.promote_types(A.dtype, torch.float32)
+        return torch.linalg.vector_norm(A, ord=1, dim=-1, dtype=dtype).clamp_(min=scaling.eps**2).rsqrt_()
+    if scaling.kind != "frobenius":
+        raise ValueError(f"unknown scaling {scaling.kind!r}; expected one of {PRECONDITIONS}")
+    trace = A.diagonal(dim1=-2, dim2=-1).float().sum(-1, keepdim=True)
+    return (trace.sqrt() * scaling.norm_scale).clamp_(min=scaling.eps).reciprocal_().expand(-1, A.shape[-1])
+
+
+def scale_input(X: Tensor, scaling: Scaling) -> Tensor:
+    """``D X`` on its own (the zero-iteration case): a new tensor."""
+    tall = X.shape[-2] > X.shape[-1]
+    d = gram_scale(torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT), scaling).to(X.dtype)
+    return X * d.unsqueeze(-2) if tall else X * d.unsqueeze(-1)
+
+
+def _overlaps(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors share any storage bytes (conservatively, by their spans)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def _finish(X: Tensor, out: Tensor | None) -> Tensor:
+    """``X`` contiguous, or written into ``out`` when it is not already there."""
+    if out is None:
+        return X.contiguous()
+    if X.data_ptr() != out.data_ptr() or X.stride() != out.stride():
+        out.copy_(X)
+    return out
 
 
 def normuon_normalize(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
@@ -261,6 +407,23 @@ def normuon_normalize(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[T
     m, n = X.shape[-2:]
     norm = torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True).clamp_(min=1e-30)
     return hat.mul_(math.sqrt(min(m, n)) / norm), v
+
+
+def normuon_row_scale(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+    """``normuon_normalize`` as one factor per row: returns ``f`` (fp32 ``[k, m]``) with
+    ``normuon_normalize(X, v, ...)[0] == f[..., None] * X`` up to fp32 rounding, and the new ``v``.
+
+    It reads ``X`` once, for each row's sum of squares ``q_i`` (fp32 accumulation, no fp32 copy of
+    ``X`` on GPUs); the Frobenius norm of ``Y = X / (sqrt(v) + eps)`` follows from the rows alone,
+    ``||Y||_F^2 = sum_i q_i / (sqrt(v_i) + eps)^2``, so the owner can scale ``X`` in place (one more
+    pass) instead of materialising ``Y`` in fp32 and rounding it back.
+    """
+    m, n = X.shape[-2:]
+    q = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
+    v = torch.lerp(v, q / n, 1 - beta2)
+    r = (v.sqrt() + eps).reciprocal_()
+    norm = (q * r.square()).sum(-1, keepdim=True).sqrt_().clamp_(min=1e-30)
+    return r.mul_(math.sqrt(min(m, n)) / norm), v
 
 
 def orthogonality_residual(X: Tensor) -> Tensor:

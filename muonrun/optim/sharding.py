@@ -9,6 +9,30 @@ set of parameters with gradients, from shapes alone, so it is the same on every 
 group (``verify_plan`` checks that). Owners are chosen to balance Newton–Schulz FLOPs per rank
 (``assign_owners``); ``owner_flops`` compares that with dealing each shape's matrices round-robin
 (the dry-run plan prints both). Only ``muonrun.optim.muon`` steps with this module.
+
+The step, in full (FSDP2 / HSDP):
+
+FSDP2 parameters are DTensors sharded on dim 0 (``torch.chunk`` layout: ``c = ceil(rows/W)`` rows per
+rank, the last ranks may get fewer or none). Every matrix is orthogonalised exactly once per shard
+group:
+
+1. momentum / Nesterov run elementwise on each rank's local rows (``torch._foreach_*``);
+2. same-shaped matrices are grouped, groups are packed into buckets ("megabatches"), and every
+   matrix gets an owner rank so that the ranks' Newton–Schulz FLOPs are balanced
+   (``muonrun.optim.sharding.assign_owners``);
+3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (in ``ns_dtype``, padded
+   to ``c`` rows; NorMuon: with the rows' fp32 ``v`` appended bit for bit) to j's owner;
+4. the owner reassembles its matrices, strips the padding and runs Newton–Schulz batched
+   (``torch.baddbmm``) over all the matrices of one shape it owns (NorMuon: then normalises them,
+   which needs the whole matrix, and updates ``v``);
+5. a second ``all_to_all_single`` returns each rank its rows of the result (and of ``v``), which it
+   applies (weight decay + scaled update) to its local shard.
+
+The collectives are asynchronous and pipelined: while bucket ``b`` is being orthogonalised, the
+exchange for bucket ``b + 1`` is in flight. Traffic is about two ``ns_dtype`` copies of a rank's
+shard. On an HSDP mesh ``(dp_replicate, dp_shard)`` the exchange runs over the ``Shard(0)`` mesh
+dimension (gradients are already averaged over the replicate one). Any other placement (e.g. a
+tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
 """
 
 from __future__ import annotations

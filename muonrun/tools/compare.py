@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from muonrun import log
 from muonrun.errors import UserError
 
 
@@ -83,8 +83,32 @@ def _read_config(path: Path) -> dict:
     try:
         return OmegaConf.to_container(OmegaConf.load(config)) or {}
     except Exception:  # a damaged config must not stop a comparison; the start row has the labels too
-        warnings.warn(f"'{config}' could not be read; labelling the run from metrics.jsonl.", stacklevel=2)
+        log.warning(f"'{config}' could not be read; labelling the run from metrics.jsonl.")
         return {}
+
+
+_NEEDS = {"start": ("step", "time"), "training": ("step", "loss", "time"), "eval": ("step", "eval_loss")}
+_KINDS = (
+    ("start", lambda row: row.get("event") == "start"),
+    ("training", lambda row: "loss" in row),
+    ("eval", lambda row: "eval_loss" in row),
+)
+
+
+def _check_row(row: dict, metrics: Path, number: int) -> None:
+    """A row of a kind compare reads must carry its numbers (muonrun writes them all); anything else
+    in it is left alone."""
+    kind = next((k for k, test in _KINDS if test(row)), None)
+    for key in _NEEDS.get(kind, ()):
+        value = row.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            what = "has no" if key not in row else f"has a non-numeric ({value!r})"
+            keys = ", ".join(list(row)[:6]) + (", ..." if len(row) > 6 else "")
+            raise UserError(
+                f"'{metrics}' line {number} is a {kind} row that {what} '{key}' (its keys: {keys}); "
+                "muonrun writes every row with it, so the line was edited or written by something else. Fix or "
+                "delete that line."
+            )
 
 
 def load_run(path: str | Path) -> Run:
@@ -99,17 +123,18 @@ def load_run(path: str | Path) -> Run:
             f"Run folder '{path}' has no metrics.jsonl (or it is empty); is it a muonrun output_dir?"
         )
     rows, bad = [], 0
-    for line in metrics.read_text().splitlines():
+    for number, line in enumerate(metrics.read_text().splitlines(), 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None  # e.g. the last line of a run that was killed mid-write
         if isinstance(row, dict):
+            _check_row(row, metrics, number)
             rows.append(row)
         else:
             bad += 1
     if bad:
-        warnings.warn(f"'{metrics}': skipped {bad} unreadable line(s).", stacklevel=2)
+        log.warning(f"'{metrics}': skipped {bad} unreadable line(s).")
 
     starts = [r for r in rows if r.get("event") == "start"]
     config = _read_config(path)
@@ -214,13 +239,18 @@ METRICS = [
 
 def telemetry_summary(run: Run) -> dict:
     """The telemetry a run logged, over the whole run: the largest `max_attention_logit`, the sum of
-    `qk_clipped_heads`, the median of each `update_rms_<optimizer>`. Keys it did not log are absent."""
+    `qk_clipped_heads`, the last `aux_loss`, `expert_load_max_mean` and `router_entropy` (MoE), the
+    median of each `update_rms_<optimizer>`. Keys it did not log are absent."""
     out: dict = {}
     logits = [r["max_attention_logit"] for r in run.train if r.get("max_attention_logit") is not None]
     if logits:
         out["max_attention_logit"] = max(logits)
     if any("qk_clipped_heads" in r for r in run.train):
         out["qk_clipped_heads"] = sum(r.get("qk_clipped_heads") or 0 for r in run.train)
+    for key in ("aux_loss", "expert_load_max_mean", "router_entropy"):  # mixture of experts: the last logged
+        last = [r[key] for r in run.train if r.get(key) is not None]
+        if last:
+            out[key] = last[-1]
     for key in sorted({k for r in run.train for k in r if k.startswith("update_rms_")}):
         out[key] = _median([r.get(key) for r in run.train])
     return out
@@ -234,6 +264,9 @@ def table_metrics(rows: list[dict]) -> list[tuple[str, str, str]]:
         for k, title, fmt in [
             ("max_attention_logit", "max attention logit", "{:.1f}"),
             ("qk_clipped_heads", "heads QK-clipped", "{:,.0f}"),
+            ("aux_loss", "router balance loss (last)", "{:.4f}"),
+            ("expert_load_max_mean", "busiest expert / mean (last)", "{:.2f}x"),
+            ("router_entropy", "router entropy, nats (last)", "{:.3f}"),
             ("eval_target", "eval target", "{:.4f}"),
             ("tokens_to_eval_target", "tokens to eval target", "{:,}"),
         ]

@@ -5,9 +5,8 @@ Needs no GPU and no data: `muonrun pretrain qwen2-muon-fsdp2 --dry-run --world-s
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
-from muonrun.config import to_object
+from muonrun import log
+from muonrun.config import Config
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 
@@ -45,6 +44,8 @@ def activation_gib(hf, c, param_bytes: int) -> float:
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or h // heads
     q, kv = heads * head_dim, (getattr(hf, "num_key_value_heads", None) or heads) * head_dim
+    if moe_inter := mlp_width(hf):  # MoE: each token's top-k experts and the shared expert, plus routing
+        inter = moe_inter
     per_layer = param_bytes * (4 * h + 3 * q + 3 * kv + 4 * inter) + (16 * h if param_bytes == 2 else 0)
     kept = {"none": layers, "full": 0, "selective": layers // 2}[c.parallel.activation_checkpointing]
     layer_bytes = tokens * (
@@ -59,6 +60,62 @@ def activation_gib(hf, c, param_bytes: int) -> float:
     return (layer_bytes + head_bytes) / GIB
 
 
+def mlp_width(hf) -> int | None:
+    """An MoE layer's MLP width per token for activations: top-k routed experts, the shared expert and
+    the gathered copies of the tokens each expert runs (about one more width); None for a dense model."""
+    from muonrun.model.moe import experts_per_token, is_moe
+
+    if not is_moe(hf):
+        return None
+    shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
+    return experts_per_token(hf) * (hf.moe_intermediate_size + hf.hidden_size // 2) + shared
+
+
+def expert_ns_flops(stacked: list, steps: int, dp_shard: int, gram: bool = False) -> list[int]:
+    """Newton–Schulz FLOPs per rank for stacked expert parameters (shape [E, out, in], matrices per
+    expert k): each rank orthogonalises the matrices [out / k, in] of the experts it holds
+    (torch.chunk over dp_shard ranks: ceil(E / dp_shard) each, the last ranks fewer)."""
+    from muonrun.optim.newton_schulz import newton_schulz_flops
+    from muonrun.optim.sharding import local_rows
+
+    per_rank = [0] * dp_shard
+    for shape, k in stacked:
+        cost = newton_schulz_flops((shape[1] // k, shape[2]), steps, gram)
+        for r in range(dp_shard):
+            per_rank[r] += local_rows(shape[0], dp_shard, r) * k * cost
+    return per_rank
+
+
+def device_memory(c, workers_per_node: int) -> tuple[float, str] | None:
+    """(GiB one worker has, what that is) on this machine: the first GPU's memory for a GPU plan, an even
+    share of the machine's memory for a CPU plan; None for a GPU plan on a machine without GPUs."""
+    import os
+
+    import torch
+
+    if c.train.device != "cpu":
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, f"{props.name}'s {props.total_memory / GIB:.0f} GiB"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return total / workers_per_node, f"{total:.0f} GiB of this machine's memory / {workers_per_node} workers"
+
+
+def memory_warning(s: dict, c) -> str | None:
+    """A warning when the planned memory per rank (states + rough activations) exceeds what a worker has."""
+    have = device_memory(c, s["world_size"] // s["nnodes"])
+    states, acts = sum(s["memory_gib_per_rank"].values()), s["activation_gib_per_rank"]
+    if have is None or states + acts <= have[0]:
+        return None
+    return (
+        f"this plan needs about {states + acts:.1f} GiB per rank ({states:.1f} GiB of weights, gradients and "
+        f"optimizer state, ~{acts:.1f} GiB of activations), more than a worker has ({have[1]}): it will run out "
+        "of memory. Shard over more ranks, set parallel.activation_checkpointing=full, or lower "
+        "train.micro_batch_size or data.seq_len."
+    )
+
+
 def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = False) -> dict[str, list[int]]:
     """Muon's Newton–Schulz FLOPs of each of the dp_shard ranks per optimizer step: every matrix is
     orthogonalized once in each shard group, by one owner rank. `"balanced"`: the owners Muon picks
@@ -66,6 +123,14 @@ def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = Fals
     from muonrun.optim.sharding import owner_flops
 
     return owner_flops(shapes, dp_shard, steps, gram)
+
+
+def ns_settings(m) -> str:
+    """The Newton–Schulz settings the FLOPs are counted for, in words."""
+    parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
+    if m.gram_ns:
+        parts.append("Gram form where wide")
+    return ", ".join(parts)
 
 
 def tokenizer_vocab(c) -> tuple[int | None, str]:
@@ -80,105 +145,88 @@ def tokenizer_vocab(c) -> tuple[int | None, str]:
     return tok.vocab_size, f"{c.data.tokenizer} ({tok.vocab_size:,} tokens, fits the model's vocabulary)"
 
 
-def plan_summary(cfg: DictConfig, world_size: int | None) -> dict:
+def plan_summary(cfg: Config, world_size: int | None) -> dict:
+    from muonrun.features import enabled, flops_per_token
     from muonrun.launch.launcher import default_nproc
-    from muonrun.model.build import check_model, count_params, flops_per_token
+    from muonrun.model.build import check_model, count_params
+    from muonrun.model.build import flops_per_token as model_flops_per_token
+    from muonrun.optim.experts import matrices_per_expert
     from muonrun.optim.groups import split_params
 
-    c = to_object(cfg)
-    nnodes = c.launch.nnodes
-    world = world_size or default_nproc(c) * nnodes
+    nnodes = cfg.launch.nnodes
+    world = world_size or default_nproc(cfg) * nnodes
     if world < 1:
         raise UserError(f"--world-size is {world}; it must be at least 1.")
     if world % nnodes:
         raise UserError(f"--world-size {world} cannot be split evenly over --nnodes {nnodes}.")
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
-    replicate, shard = mesh_shape(c, world, how)
-    vocab, tokenizer = tokenizer_vocab(c)
-    model = check_model(c.model, vocab, c.data.seq_len)
+    replicate, shard = mesh_shape(cfg, world, how)
+    vocab, tokenizer = tokenizer_vocab(cfg)
+    features = enabled(cfg)
+    model = check_model(cfg.model, vocab, cfg.data.seq_len, features)
     hf = model.config
     params = count_params(model)
     split = split_params(
-        model, muon_patterns=c.optimizer.muon.muon_patterns, adamw_patterns=c.optimizer.muon.adamw_patterns
+        model,
+        muon_patterns=cfg.optimizer.muon.muon_patterns,
+        adamw_patterns=cfg.optimizer.muon.adamw_patterns,
     )
-    muon_params = sum(p.numel() for _, p in split.muon)
-    tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * world
-    fpt = flops_per_token(hf, c.data.seq_len)
-    if c.model.lora.enabled:
-        from muonrun.features.lora import lora_flops_per_token
-
-        fpt = lora_flops_per_token(fpt, model)
+    muon_params = sum(p.numel() for _, p in split.muon + split.experts)
+    tokens_per_step = cfg.tokens_per_step(world)
+    fpt = flops_per_token(features, model_flops_per_token(hf, cfg.data.seq_len), model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
-    param_bytes = 4 if c.parallel.param_dtype == "float32" or c.train.device == "cpu" else 2
+    param_bytes = 4 if cfg.parallel.param_dtype == "float32" or cfg.train.device == "cpu" else 2
     return {
-        "model": f"{hf.model_type} ({c.model.name_or_path or 'inline config'})",
+        "model": f"{hf.model_type} ({cfg.model.name_or_path or 'inline config'})",
         "tokenizer": tokenizer,
         "parameters": params,
-        "muon_parameters": muon_params if c.optimizer.name == "muon" else 0,
+        "muon_parameters": muon_params if cfg.optimizer.name == "muon" else 0,
         "flops_per_token": fpt,
         "world_size": world,
         "nnodes": nnodes,
         "mesh": {"dp_replicate": replicate, "dp_shard": shard},
         "tokens_per_step": tokens_per_step,
-        "total_tokens": tokens_per_step * c.train.max_steps,
+        "total_tokens": tokens_per_step * cfg.train.max_steps,
         "model_flops_per_rank_step": fpt * tokens_per_step / world,
         "ns_flops_per_rank_step": (
             ns_flops_per_rank(
-                [p.shape for _, p in split.muon], c.optimizer.muon.ns_steps, shard, c.optimizer.muon.gram_ns
+                [p.shape for _, p in split.muon],
+                cfg.optimizer.muon.ns_steps,
+                shard,
+                cfg.optimizer.muon.gram_ns,
             )
-            if c.optimizer.name == "muon"
+            if cfg.optimizer.name == "muon"
             else 0
         ),
-        "memory_gib_per_rank": memory_per_rank(params, muon_params, c.optimizer.name, shard, param_bytes),
-        "activation_gib_per_rank": activation_gib(hf, c, param_bytes),
-        "float8": float8_row(model, c.parallel.float8) if c.parallel.float8 != "none" else None,
+        "expert_ns_flops_per_rank_step": (
+            expert_ns_flops(
+                [(p.shape, matrices_per_expert(n)) for n, p in split.experts],
+                cfg.optimizer.muon.ns_steps,
+                shard,
+                cfg.optimizer.muon.gram_ns,
+            )
+            if cfg.optimizer.name == "muon"
+            else [0] * shard
+        ),
+        "memory_gib_per_rank": memory_per_rank(params, muon_params, cfg.optimizer.name, shard, param_bytes),
+        "activation_gib_per_rank": activation_gib(hf, cfg, param_bytes),
+        "feature_rows": [row for f in features for row in f.plan_rows(model)],
     }
 
 
-def lora_row(c, p: dict) -> str:
-    lo = c.model.lora
-    return (
-        f"; LoRA rank {lo.rank} on {', '.join(lo.target_modules)}: {p['trainable']:,} train "
-        f"({p['trainable'] / p['total']:.2%}), the rest frozen in the compute dtype"
-    )
-
-
-def float8_row(model, recipe: str) -> str:
-    """Which Linear layers run in float8 (muonrun/features/float8.py's rule), by shape."""
-    from collections import Counter
-
-    from muonrun.features.float8 import chosen
-
-    picks = chosen(model, recipe)
-    shapes = {name: (m.out_features, m.in_features) for name, m in model.named_modules() if name in picks}
-    yes = Counter(shapes[n] for n, ok in picks.items() if ok)
-    no = Counter(shapes[n] for n, ok in picks.items() if not ok)
-
-    def fmt(counts):
-        return ", ".join(f"{n} x {o}x{i}" for (o, i), n in sorted(counts.items())) or "none"
-
-    return (
-        f"{recipe}: {sum(yes.values())} of {len(picks)} decoder Linear layers run in float8 ({fmt(yes)}; "
-        f"too small to gain, kept bf16: {fmt(no)}); the LM head stays bf16. Needs a GPU of compute "
-        "capability 8.9+ and torchao"
-    )
-
-
-def print_plan(cfg: DictConfig, world_size: int | None) -> None:
+def print_plan(cfg: Config, world_size: int | None) -> None:
     s = plan_summary(cfg, world_size)
-    c = to_object(cfg)
     p = s["parameters"]
     rows = [
         ("model", s["model"]),
         ("tokenizer", s["tokenizer"]),
         (
             "parameters",
-            f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)"
-            + (lora_row(c, p) if c.model.lora.enabled else ""),
+            f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)",
         ),
         (
             "optimizer",
-            c.optimizer.name
+            cfg.optimizer.name
             + (f" ({s['muon_parameters']:,} params in Muon)" if s["muon_parameters"] else ""),
         ),
         ("FLOPs/token (train)", f"{s['flops_per_token']:.3e}"),
@@ -188,7 +236,7 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
             + (f", {s['nnodes']} nodes x {s['world_size'] // s['nnodes']}" if s["nnodes"] > 1 else ""),
         ),
         ("tokens/step", f"{s['tokens_per_step']:,}"),
-        ("total tokens", f"{s['total_tokens']:,} over {c.train.max_steps:,} steps"),
+        ("total tokens", f"{s['total_tokens']:,} over {cfg.train.max_steps:,} steps"),
         (
             "memory/rank (no activations)",
             ", ".join(f"{k} {v:.2f} GiB" for k, v in s["memory_gib_per_rank"].items())
@@ -196,23 +244,25 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
         ),
         (
             "activations/rank (rough)",
-            f"~{s['activation_gib_per_rank']:.2f} GiB per micro-batch of {c.train.micro_batch_size} x "
-            f"{c.data.seq_len} (activation checkpointing {c.parallel.activation_checkpointing}"
-            + ("; an upper bound: compiled layers keep less)" if c.parallel.compile else ")"),
+            f"~{s['activation_gib_per_rank']:.2f} GiB per micro-batch of {cfg.train.micro_batch_size} x "
+            f"{cfg.data.seq_len} (activation checkpointing {cfg.parallel.activation_checkpointing}"
+            + ("; an upper bound: compiled layers keep less)" if cfg.parallel.compile else ")"),
         ),
-        ("output", c.output_dir),
+        ("output", cfg.output_dir),
     ]
-    if c.parallel.float8 != "none":
-        rows.insert(-1, ("float8", s["float8"]))
+    rows[-1:-1] = s["feature_rows"]
     if s["ns_flops_per_rank_step"]:
         per_rank, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
+        experts = s["expert_ns_flops_per_rank_step"]  # on the ranks that hold the experts, no choice of owner
+        per_rank = {k: [a + b for a, b in zip(v, experts, strict=True)] for k, v in per_rank.items()}
         ns, rr = max(per_rank["balanced"]), max(per_rank["round_robin"])
         average = sum(per_rank["balanced"]) / len(per_rank["balanced"])
         rows.insert(
             -1,
             (
                 "Muon Newton–Schulz",
-                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step = {ns / model:.1%} of the model's "
+                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step ({ns_settings(cfg.optimizer.muon)}) "
+                f"= {ns / model:.1%} of the model's "
                 f"{model / 1e12:.1f} TFLOP per rank and step (busiest rank: {ns / 1e12:.2f} TFLOP, "
                 f"{ns / average:.1%} of the average, with owners balanced by cost; {rr / 1e12:.2f} TFLOP, "
                 f"{rr / average:.1%}, with each shape dealt round-robin): the arithmetic Muon adds; its momentum, "
@@ -224,3 +274,6 @@ def print_plan(cfg: DictConfig, world_size: int | None) -> None:
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+    warning = memory_warning(s, cfg)
+    if warning:
+        log.warning(warning)

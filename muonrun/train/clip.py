@@ -6,7 +6,7 @@ more host time than GPU work, and it limits the step wherever the host is the bo
 micro-batches, CPU). Here each rank takes the norms of its own shards in one foreach op, one
 all-reduce per sharded mesh dimension adds the squares up (the replicate dimension of HSDP holds
 copies, so it is not summed), and the scale is applied to the local shards: the same result as
-torch's, a few plain kernels. `scripts/bench_host.py` measures both paths; docs/performance.md has
+torch's, a few plain kernels. `benchmarks/bench_host.py` measures both paths; docs/performance.md has
 the figures.
 """
 

@@ -14,18 +14,20 @@ from pathlib import Path
 import torch
 
 from muonrun import faults
-from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
-from muonrun.config import Config
+from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState, write_run_config
+from muonrun.config import Config, to_yaml
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
-from muonrun.features.lora import lora_flops_per_token
-from muonrun.features.qkclip import build_qk_clip
-from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
-from muonrun.model.hf import base_identity, export_replacing, load_pretrained
+from muonrun.features import enabled, flops_per_token
+from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
+from muonrun.model.build import flops_per_token as model_flops_per_token
+from muonrun.model.hf import load_pretrained
+from muonrun.model.moe import router_aux_loss_coef
 from muonrun.model.parallelize import parallelize
 from muonrun.observe.metrics import Metrics, optimizer_telemetry
 from muonrun.observe.profiling import StepProfiler, phase
 from muonrun.optim.build import build_optimizers
+from muonrun.tools.export import export_replacing
 from muonrun.train.agreement import Agreed, StepAgreement, non_finite_message
 from muonrun.train.clip import clip_grad_norm
 from muonrun.train.schedule import lr_multiplier
@@ -82,20 +84,24 @@ class Trainer:
         self.dist: Dist = init_distributed(cfg)
         device_type = pick_device_type(cfg)
         torch.manual_seed(cfg.train.seed)
+        self.features = enabled(cfg)  # optional features: muonrun/features/__init__.py
 
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.hf_config = build_hf_config(cfg.model, self.tokenizer.vocab_size)
         self.model = CausalLMWithLoss(
-            build_model(cfg.model, self.hf_config), cfg.train.loss_chunk_tokens, cfg.parallel.compile_loss
+            build_model(cfg.model, self.hf_config, self.features),
+            cfg.train.loss_chunk_tokens,
+            cfg.parallel.compile_loss,
+            router_aux_loss_coef(cfg, self.hf_config),
         )
-        parallelize(self.model, self.dist.mesh, cfg.parallel, device_type)
+        parallelize(self.model, self.dist.mesh, cfg.parallel, device_type, self.features)
         self.model.to_empty(device=self.dist.device)
-        init_weights(self.model, self.hf_config.initializer_range, cfg.train.seed, self.dist.device)
-        self.optimizers = build_optimizers(self.model, cfg.optimizer, device_type)
-        # Per-head max attention logits, measured in forward; QK-clip rescales after each optimizer step.
-        self.qk_clip = build_qk_clip(
-            self.model, cfg.train.qk_clip.tau, cfg.logging.max_attention_logit, self.dist.device
+        init_weights(
+            self.model, self.hf_config.initializer_range, cfg.train.seed, self.dist.device, self.features
         )
+        self.optimizers = build_optimizers(self.model, cfg.optimizer, device_type)
+        for feature in self.features:
+            feature.start(self.model, self.dist.device)
 
         # Every rank is a data-parallel rank: HSDP replicas and FSDP shards all read different data.
         # Pinned host batches let the copy to the GPU (non_blocking) overlap with compute.
@@ -116,37 +122,40 @@ class Trainer:
         self.state = TrainState()
         self.agreement = StepAgreement(self.dist.rank, self.dist.world_size)
         self.optimizer_time: Callable[[], float] | None = None
-        self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+        self.tokens_per_step = cfg.tokens_per_step(self.dist.world_size)
 
-        # Resume (or init_from) overwrites what was just initialised; a fresh start may take pretrained weights.
-        # LoRA: checkpoints hold what trains; the frozen base is read at every start, under the adapters.
-        lora = cfg.model.lora.enabled
+        # Frozen parameters (LoRA's base) are read from model.name_or_path at every start and never
+        # checkpointed; a resume (or init_from) overwrites the rest; a fresh start may take pretrained
+        # weights.
+        frozen = any(not p.requires_grad for p in self.model.parameters())
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
             Path(cfg.output_dir) / "checkpoints",
             self.dist,
             states={
-                "model": ModelState(self.model, trainable_only=lora),
+                "model": ModelState(self.model, trainable_only=frozen),
                 "optim": OptimizerState(self.model, self.optimizers),
                 "train": self.state,
             },
             rank_states={"loader": self.loader, "rng": RNGState(self.dist.device)},
-            confirm=self.settle,
-            identity={"base_model": base_identity(cfg.model.name_or_path, self.dist)} if lora else None,
+            identity={k: v for f in self.features for k, v in f.identity(self.dist).items()},
+            config_yaml=to_yaml(cfg),
         )
         try:
-            if lora:
-                load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
-            if self.checkpointer.load() is None and cfg.model.init == "pretrained" and not lora:
-                load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist)
+            if frozen:
+                load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist, self.features)
+            if self.checkpointer.load() is None and cfg.model.init == "pretrained" and not frozen:
+                load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist, self.features)
         except BaseException:
             self.checkpointer.close()  # gives the signal handlers back: no Trainer exists to close it
             raise
-        fpt = flops_per_token(self.hf_config, cfg.data.seq_len)
+        if self.dist.is_main:  # only now: a run refused while loading leaves the folder's config as it was
+            write_run_config(Path(cfg.output_dir), to_yaml(cfg))
+        fpt = model_flops_per_token(self.hf_config, cfg.data.seq_len)
         self.metrics = Metrics(
             cfg,
             self.dist,
-            flops_per_token=lora_flops_per_token(fpt, self.model.lm) if lora else fpt,
+            flops_per_token=flops_per_token(self.features, fpt, self.model.lm),
             model=self.model.lm,
         )
 
@@ -169,6 +178,7 @@ class Trainer:
         accum = self.cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.dist.device)
         data_wait = 0.0
+        self.model.watch_experts = self.logs(self.state.step + 1)  # MoE load statistics: logged steps
         for _ in range(accum):
             with phase("data"):
                 batch, wait = self.next_batch()
@@ -198,9 +208,9 @@ class Trainer:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         self.optimizer_time = timer.stop() if timer else None
-        if self.qk_clip is not None:
-            with phase("qk_clip"):
-                self.qk_clip.after_step()
+        for feature in self.features:
+            with phase(feature.name):
+                feature.after_step()
         return loss_sum, grad_norm, data_wait
 
     def logs(self, step: int) -> bool:
@@ -208,10 +218,11 @@ class Trainer:
         return step == self.cfg.train.max_steps or step % self.cfg.logging.log_interval == 0
 
     def telemetry(self) -> dict[str, torch.Tensor]:
-        """This step's optimizer telemetry and attention logits as device tensors (read one step late)."""
+        """This step's optimizer and features' telemetry as device tensors (read one step late)."""
         values = optimizer_telemetry(self.optimizers) if self.cfg.logging.optimizer_telemetry else {}
-        if self.qk_clip is not None:
-            values.update(self.qk_clip.telemetry())
+        values.update(self.model.moe_telemetry())
+        for feature in self.features:
+            values.update(feature.telemetry())
         return values
 
     def act_on(self, agreed: Agreed | None) -> None:
@@ -254,9 +265,10 @@ class Trainer:
                 lr_mult = self.set_lr()
                 loss, grad_norm, data_wait = self.train_step()
                 self.state.step += 1
-                self.state.tokens_seen += self.tokens_per_step * self.dist.world_size
+                self.state.tokens_seen += self.tokens_per_step
                 step = self.state.step
-                faults.after_step(step, self.dist.rank)  # MUONRUN_FAULT=kill@STEP / term@STEP
+                # MUONRUN_FAULT=kill@STEP / term@STEP / hang@STEP (until a stop request)
+                faults.after_step(step, self.dist.rank, lambda: self.checkpointer.flag.raised is not None)
                 profiler.step()
                 last, log = step == cfg.train.max_steps, self.logs(step)
                 self.metrics.record(
@@ -272,7 +284,9 @@ class Trainer:
                 )
                 if cfg.train.eval_interval and (last or step % cfg.train.eval_interval == 0):
                     self.metrics.log_eval(self.state, self.evaluate())
-                if self.checkpointer.after_step(step, last):
+                if self.checkpointer.due(step, last):
+                    self.settle()  # never save a step some rank found non-finite
+                if self.checkpointer.after_step(step, self.state.tokens_seen, last):
                     self.metrics.note(
                         f"Stopped by signal after step {step}; checkpoint saved. Rerun to resume."
                     )
@@ -300,10 +314,10 @@ class Trainer:
 
 def run_worker(config_yaml: str) -> None:
     """Entry point of every worker process (and of the single in-process worker)."""
-    from muonrun.config import from_yaml, to_object
+    from muonrun.config import from_yaml
     from muonrun.distributed import destroy
 
-    cfg = to_object(from_yaml(config_yaml))
+    cfg = from_yaml(config_yaml)
     trainer, together = None, False
     try:
         trainer = Trainer(cfg)

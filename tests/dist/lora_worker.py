@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from muonrun.config import load_config, to_object, to_yaml
+from muonrun.config import load_config, to_yaml
 from muonrun.distributed import destroy, release_process_groups
 from muonrun.errors import UserError
 from muonrun.features.lora import is_adapter
@@ -193,7 +193,7 @@ def check_checkpoint(cfg, trainer) -> None:
 
     from muonrun.checkpoint.safe import SafeReader
 
-    ckpt = trainer.checkpointer.save(3, last=True)
+    ckpt = trainer.checkpointer.save(3, trainer.state.tokens_seen, last=True)
     keys = set(SafeReader(str(ckpt)).read_metadata().state_dict_metadata)
     weights = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -211,7 +211,7 @@ def check_checkpoint(cfg, trainer) -> None:
         trainer.model.reshard()
     if dist.get_rank() == 0:
         torch.save({"ids": ids, "logits": logits}, Path(cfg.output_dir).parent / "logits.pt")
-    trainer.checkpointer.save(5, last=True)
+    trainer.checkpointer.save(5, trainer.state.tokens_seen, last=True)
 
     trainer.checkpointer.cfg.resume_from = str(ckpt)
     assert trainer.checkpointer.load() == ckpt and trainer.state.step == 3
@@ -238,16 +238,18 @@ def check_bf16_frozen(cfg) -> None:
     """param_dtype=bfloat16: frozen weights are stored in bf16 (no fp32 copy), the adapters in fp32,
     and FSDP2 trains the mix."""
     from muonrun.distributed import init_distributed
+    from muonrun.features import enabled
     from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
     from muonrun.optim.build import build_optimizers
     from muonrun.model.parallelize import parallelize
 
     cfg.parallel.param_dtype = "bfloat16"
     d = init_distributed(cfg)
-    model = CausalLMWithLoss(build_model(cfg.model, build_hf_config(cfg.model, 257)), 0)
-    parallelize(model, d.mesh, cfg.parallel, "cpu")
+    features = enabled(cfg)
+    model = CausalLMWithLoss(build_model(cfg.model, build_hf_config(cfg.model, 257), features), 0)
+    parallelize(model, d.mesh, cfg.parallel, "cpu", features)
     model.to_empty(device="cpu")
-    init_weights(model, 0.02, 0, torch.device("cpu"))
+    init_weights(model, 0.02, 0, torch.device("cpu"), features)
     named = dict(model.named_parameters())
     assert all(p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16) for p in named.values())
     opts = build_optimizers(model, cfg.optimizer, "cpu")
@@ -275,13 +277,13 @@ def main() -> None:
 
     from muonrun.train.trainer import Trainer
 
-    cfg = to_object(cfg_yaml)
+    cfg = cfg_yaml
     trainer = Trainer(cfg)
     check_training(cfg, trainer)
     check_checkpoint(cfg, trainer)
     trainer.close()
     del trainer
-    check_bf16_frozen(to_object(cfg_yaml))
+    check_bf16_frozen(cfg_yaml)
     dist.barrier()
     log("LORA_WORKER_OK")
     destroy()

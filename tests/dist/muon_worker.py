@@ -60,15 +60,27 @@ class FoldedMuon(Muon):
     torch's sequence); the tests check that it stays as close to the reference through the whole
     optimizer, sharded or not, and tests/dist/muon_bench.py times it."""
 
-    def _newton_schulz(self, X, per_step):
-        return ns_iterations(X, per_step, gram=self.gram, fold_identity=True)
+    def _newton_schulz(self, X, per_step, *, scaling=None, out=None):
+        return ns_iterations(X, per_step, gram=self.gram, fold_identity=True, scaling=scaling, out=out)
 
 
-def reference_ns(fast: bool, gram: bool, dtype: torch.dtype):
-    """The Newton–Schulz a reference uses: torch.optim.Muon's own, or (folded, Gram, fp32) ours."""
-    if not fast and not gram and dtype == torch.bfloat16:
+# Muon's levers beyond torch's (test_muon.py checks each on one device): none, the fused passes (eager
+# here: torch's Newton–Schulz), or AOL scaling with Turbo-Muon's 4-iteration table
+LEVERS = {
+    "": ({}, {}),
+    "fused": ({"fused": True}, {}),
+    "aol": (
+        {"precondition": "aol", "ns_coefficients": "turbo", "ns_steps": 4},
+        {"precondition": "aol", "coefficients": "turbo", "steps": 4},
+    ),
+}
+
+
+def reference_ns(fast: bool, gram: bool, dtype: torch.dtype, lever: str = ""):
+    """The Newton–Schulz a reference uses: torch.optim.Muon's own, or (folded, Gram, fp32, a lever) ours."""
+    if not fast and not gram and dtype == torch.bfloat16 and not lever:
         return lambda u: torch.optim._muon._zeropower_via_newtonschulz(u, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
-    return lambda u: newton_schulz(u, fold_identity=fast, gram=gram, dtype=dtype)
+    return lambda u: newton_schulz(u, fold_identity=fast, gram=gram, dtype=dtype, **LEVERS[lever][1])
 
 
 class NorMuonReference:
@@ -158,11 +170,15 @@ def distribute_local(full: torch.Tensor, like: DTensor) -> DTensor:
 
 
 def reference_optimizer(
-    params, fast: bool, gram: bool = False, variant="muon", ns_dtype=torch.bfloat16, **kw
+    params, fast: bool, gram: bool = False, variant="muon", ns_dtype=torch.bfloat16, lever: str = "", **kw
 ):
     """Unsharded reference: NorMuonReference; torch.optim.Muon; or our Muon on plain tensors for the
-    folded (fast), Gram or fp32 Newton–Schulz and for "spectral" (checked against torch / exact
-    arithmetic / a hand formula in test_muon.py)."""
+    folded (fast), Gram or fp32 Newton–Schulz, for "spectral" and for the levers (checked against
+    torch / exact arithmetic / a hand formula / the paper in test_muon.py)."""
+    if lever:
+        return (FoldedMuon if fast else Muon)(
+            params, **kw, gram=gram, ns_dtype=ns_dtype, variant=variant, **LEVERS[lever][0]
+        )
     if variant == "normuon":
         return NorMuonReference(params, reference_ns(fast, gram, ns_dtype), **kw)
     if fast or gram or ns_dtype != torch.bfloat16:
@@ -196,7 +212,9 @@ ALL_COMBOS = list(
 def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
     """adjust_lr_fn x nesterov x weight decay combinations, 1 and 10 steps, vs the reference; a third
     of them NorMuon (bf16 and fp32 exchange), a third Muon with fp32 Newton–Schulz (the CPU path), a
-    third torch's bf16 Muon. Telemetry on throughout, checked against the reference's last step."""
+    third torch's bf16 Muon; a quarter with the fused passes, a quarter with AOL scaling and its
+    4-iteration table (against our Muon on plain tensors with the same lever). Telemetry on
+    throughout, checked against the reference's last step."""
     shard_dim = len(mesh.shape) - 1
     shard_group = mesh.get_group(shard_dim)
     W = mesh.size(shard_dim)
@@ -212,16 +230,26 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         variant = "normuon" if ci % 3 == 1 else "muon"
         ns_dtype = torch.float32 if ci % 3 == 2 or (variant == "normuon" and ci % 2 == 0) else torch.bfloat16
         rtol = RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32
+        lever = {3: "fused", 2: "aol"}.get(ci % 4, "")
+        steps = LEVERS[lever][0].get("ns_steps", 5)
         # mostly one big bucket, sometimes many tiny ones (exercises the async prefetch pipeline at
         # depths 1 to 3)
         bucket = 200 if ci % 4 == 1 else 1 << 26
         opt = (FoldedMuon if fast else Muon)(
-            params, **kw, bucket_numel=bucket, gram=gram, variant=variant, ns_dtype=ns_dtype
+            params,
+            **kw,
+            bucket_numel=bucket,
+            gram=gram,
+            variant=variant,
+            ns_dtype=ns_dtype,
+            **LEVERS[lever][0],
         )
         opt.prefetch = 1 + ci % 3
         opt.collect_telemetry = True
-        ref = reference_optimizer(ref_params, fast, gram, variant, ns_dtype, **kw)
-        what = f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram} {variant} {ns_dtype}"
+        ref = reference_optimizer(ref_params, fast, gram, variant, ns_dtype, lever, **kw)
+        what = (
+            f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram} {variant} {ns_dtype} {lever}"
+        )
         for step in range(10):
             grads = full_grads(step, ci)
             set_sharded_grads(params, grads)
@@ -233,7 +261,7 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
             if step in (0, 9):
                 diff = assert_close_to_reference(params, ref_params, init, f"{what} step={step + 1}", rtol)
         check_telemetry(
-            opt, params, ref, ref_params, before, reference_ns(fast, gram, ns_dtype), nesterov, what
+            opt, params, ref, ref_params, before, reference_ns(fast, gram, ns_dtype, lever), nesterov, what
         )
         # every matrix orthogonalised exactly once per step in the shard group
         stats = [opt.stats["orthogonalized"], opt.stats["all_to_all"], opt.stats["gram"]]
@@ -246,7 +274,7 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         per_rank = [0] * W
         for it in (it for part in opt._plan for b in part.buckets for it in b.items):
             per_rank[it.owner] += it.cost
-        assert per_rank == owner_flops(SHAPES, W, 5, gram, bucket)["balanced"], (what, per_rank)
+        assert per_rank == owner_flops(SHAPES, W, steps, gram, bucket)["balanced"], (what, per_rank)
         # state: one momentum buffer per matrix, a DTensor with the parameter's placements; NorMuon's
         # per-row second moment laid out like the rows, equal to the reference's on this rank's rows
         for p, q in zip(params, ref_params, strict=True):

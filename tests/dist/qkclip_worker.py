@@ -31,11 +31,16 @@ import torch
 import torch.distributed as dist
 
 from muonrun.features import qkclip
-from muonrun.config import load_config, to_object
+from muonrun.config import load_config
 from muonrun.distributed import all_reduce_max, destroy, local_tensor, release_process_groups
 from muonrun.train.trainer import Trainer
 
 HEAD_DIM, HEADS, KV_HEADS = 32, 3, 1
+
+
+def qk_clip(trainer: Trainer):
+    """The trainer's QK-clip tracker (the qk_clip feature's)."""
+    return next(f.tracker for f in trainer.features if f.name == "qk_clip")
 
 
 def materialized_max_logit(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -54,7 +59,7 @@ def attention_inputs(trainer: Trainer, batch: dict) -> list:
     seen = []
     hooks = [
         m.register_forward_pre_hook(lambda _, a, kw: seen.append((a, kw)), with_kwargs=True)
-        for m in trainer.qk_clip.modules
+        for m in qk_clip(trainer).modules
     ]
     trainer.model.eval()  # not counted by the tracker
     with torch.no_grad():
@@ -68,7 +73,7 @@ def attention_inputs(trainer: Trainer, batch: dict) -> list:
 def reference(trainer: Trainer, batch: dict, inputs: list | None = None) -> torch.Tensor:
     """[layers, heads] materialized max logits over both ranks' batches: of a whole forward of `batch`,
     or of each attention layer alone on `inputs`. Leaves the tracker's own maxima as they were."""
-    tracker = trainer.qk_clip
+    tracker = qk_clip(trainer)
     saved = tracker.current.clone()
     tracker.current.fill_(float("-inf"))
     with mock.patch.object(qkclip, "causal_max_logit", materialized_max_logit), torch.no_grad():
@@ -88,7 +93,7 @@ def reference(trainer: Trainer, batch: dict, inputs: list | None = None) -> torc
 
 def trainer_layers(trainer: Trainer) -> list:
     """The FSDP2 units (decoder layers) holding each attention module."""
-    return [m for m in trainer.model.modules() if getattr(m, "self_attn", None) in trainer.qk_clip.modules]
+    return [m for m in trainer.model.modules() if getattr(m, "self_attn", None) in qk_clip(trainer).modules]
 
 
 def expected_row_scales(current: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +112,7 @@ def expected_row_scales(current: torch.Tensor, tau: float) -> tuple[torch.Tensor
 def qk_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {
         f"{i}.{proj}.{kind}": getattr(getattr(m, proj), kind)
-        for i, m in enumerate(trainer.qk_clip.modules)
+        for i, m in enumerate(qk_clip(trainer).modules)
         for proj in ("q_proj", "k_proj")
         for kind in ("weight", "bias")
     }
@@ -130,21 +135,21 @@ def check_one_step(trainer: Trainer, rank: int) -> None:
     measured_ref = reference(trainer, batch)
     tau = measured_ref.flatten().median().item()
     assert 0 < (measured_ref > tau).sum() < measured_ref.numel(), measured_ref
-    trainer.qk_clip.tau = tau
+    qk_clip(trainer).tau = tau
     trainer.next_batch = lambda: (batch, 0.0)
     seen = {}
-    after_step = trainer.qk_clip.after_step
+    after_step = qk_clip(trainer).after_step
 
     def spy() -> None:
-        seen["measured"] = all_reduce_max(trainer.qk_clip.current.clone())
+        seen["measured"] = all_reduce_max(qk_clip(trainer).current.clone())
         seen["updated"] = {n: full(p) for n, p in qk_params(trainer).items()}
         seen["inputs"] = attention_inputs(trainer, batch)
         seen["updated_logits"] = reference(trainer, batch, seen["inputs"])
         after_step()
 
-    trainer.qk_clip.after_step = spy
+    qk_clip(trainer).after_step = spy
     trainer.train_step()
-    trainer.qk_clip.after_step = after_step
+    qk_clip(trainer).after_step = after_step
     del trainer.next_batch
     torch.testing.assert_close(seen["measured"], measured_ref, rtol=1e-6, atol=0)
     q_rows, k_rows = expected_row_scales(seen["measured"], tau)
@@ -211,12 +216,12 @@ def run_one(out: Path, optimizer: str) -> None:
         "logging.console=plain",
         "checkpoint.save_at_end=false",
     ]
-    trainer = Trainer(to_object(load_config("tiny", overrides)))
+    trainer = Trainer(load_config("tiny", overrides))
     try:
         rank = trainer.dist.rank
         make_large(trainer)
         check_one_step(trainer, rank)
-        trainer.qk_clip.tau = 20.0
+        qk_clip(trainer).tau = 20.0
         trainer.train()
     finally:
         trainer.close()

@@ -5,8 +5,8 @@ batches to a simulated trainer that consumes --tokens-per-s per rank (sleeping f
 share) and records how long each `next(loader)` took, with the next block read ahead on a thread
 (what training does) and without:
 
-    python scripts/bench_stream_stall.py --tokenizer bpe             # a 32k BPE trained here, offline
-    python scripts/bench_stream_stall.py --tokenizer Qwen/Qwen2.5-0.5B --path 'c4/*.json.gz'
+    python benchmarks/bench_stream_stall.py --tokenizer bpe             # a 32k BPE trained here, offline
+    python benchmarks/bench_stream_stall.py --tokenizer Qwen/Qwen2.5-0.5B --path 'c4/*.json.gz'
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ iterations it is farther than the default quintic at 5 (1.4x on average), and no
 2e-2 changes that on 896 or 1536 rows (only on 128 rows does l_0 = 5e-3 beat it, where the FLOPs are
 negligible), so fewer iterations do not save FLOPs at equal error::
 
-    python scripts/polar_express_coefficients.py
+    python benchmarks/polar_express_coefficients.py
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 import torch
-from gram_ns_numerics import gradient_like  # scripts/: on the path when a script runs
+from gram_ns_numerics import gradient_like  # benchmarks/: on the path when a script runs
 
 from muonrun.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,

@@ -1,8 +1,8 @@
 """Loader throughput: tokens/s served per rank from the map-style cache and from a streaming source.
 
-    python scripts/bench_data.py                       # the standard library's top-level modules, byte tokenizer
-    python scripts/bench_data.py --seq-len 4096 --batch 4 --tokenizer path/to/tokenizer_folder
-    python scripts/bench_data.py --jsonl                # the same text as one JSON-lines file (a `text` column)
+    python benchmarks/bench_data.py                       # the standard library's top-level modules, byte tokenizer
+    python benchmarks/bench_data.py --seq-len 4096 --batch 4 --tokenizer path/to/tokenizer_folder
+    python benchmarks/bench_data.py --jsonl                # the same text as one JSON-lines file (a `text` column)
 
 A GPU eats roughly 1e5 tokens/s; the loader should be far above that. The cache goes to a temporary
 folder unless MUONRUN_CACHE is set, so the first (tokenizing) build is timed too.

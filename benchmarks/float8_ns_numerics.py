@@ -22,12 +22,12 @@ runs ``torch._scaled_mm`` with a bf16 output, as torchao and Transformer Engine 
 once to bf16 (a fused epilogue would do the same; the one extra bf16 rounding of ``A A`` and ``B X``
 against ``baddbmm`` is far below float8's). The last 5 - k iterations are ``standard_iterations``
 unchanged; k = 0 is ``newton_schulz`` itself, the reference. Inputs are ``gradient_like`` matrices of
-scripts/gram_ns_numerics.py (singular values 1/i) of the presets' shapes, for the default quintic x5
+benchmarks/gram_ns_numerics.py (singular values 1/i) of the presets' shapes, for the default quintic x5
 and Polar Express x5. Each result is compared with the exact polar factor (fp64 SVD): orthogonality
 residual, extreme singular values and ``||O - U V^T||_F / ||U V^T||_F``. As the noise yardstick,
 every element of the bf16 input moves by one ulp (up or down at random) and k = 0 runs again.
 
-Conclusion (the numbers ``python scripts/float8_ns_numerics.py`` prints; tensorwise and rowwise
+Conclusion (the numbers ``python benchmarks/float8_ns_numerics.py`` prints; tensorwise and rowwise
 scaling differ little, rowwise is a little closer where they differ):
 
 - The default quintic tolerates float8 in 3 of its 5 iterations on every shape: its distance to the
@@ -54,7 +54,7 @@ scaling differ little, rowwise is a little closer where they differ):
 The CPU accumulates float8 products exactly in fp32; Hopper's float8 tensor cores accumulate with
 fewer bits unless ``use_fast_accum=False``, which the GPU measurement has to choose and check::
 
-    python scripts/float8_ns_numerics.py
+    python benchmarks/float8_ns_numerics.py
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ import time
 
 import numpy as np
 import torch
-from gram_ns_numerics import gradient_like  # scripts/: on the path when a script runs
+from gram_ns_numerics import gradient_like  # benchmarks/: on the path when a script runs
 from torch import Tensor
 
 from muonrun.optim.newton_schulz import (

@@ -1,7 +1,7 @@
 """LM head + cross-entropy on one GPU: the full-logits loss a plain transformers model uses, muonrun's
 fused chunked loss (eager), and the same with each chunk's softmax gradient compiled.
 
-    python scripts/bench_loss.py [--tokens 16384] [--hidden 896 1536] [--chunk 4096]
+    python benchmarks/bench_loss.py [--tokens 16384] [--hidden 896 1536] [--chunk 4096]
 
 Prints forward+backward milliseconds (median of 10 after 3 warm-up runs, CUDA events) and the peak
 memory above the inputs, for Qwen2's 151,936-way vocabulary.

@@ -4,7 +4,7 @@ torch's path through DTensor's dispatcher:
   adamw: torch.optim.AdamW on the DTensors vs muonrun.optim.AdamW, as muonrun builds it
          (fused on CUDA, torch's default elsewhere), with foreach=True and with fused=True.
 
-usage: torchrun --standalone --nproc-per-node 2 scripts/bench_host.py [LAYERS]   (CPU, gloo; or GPU)
+usage: torchrun --standalone --nproc-per-node 2 benchmarks/bench_host.py [LAYERS]   (CPU, gloo; or GPU)
 A narrow Qwen2 with the 0.5B preset's layer count by default (24 layers: 291 parameters), so the
 figures are the per-tensor overhead, not arithmetic. Prints the median per call, alternating each
 pair so drift biases neither, and checks that both sides of an AdamW pair end with equal weights.

@@ -7,7 +7,7 @@ Exact arithmetic gives the same result; bf16 does not, so this compares both aga
 polar factor on gradient-like matrices (power-law spectrum), without and with one restart
 (X <- Q X, R <- X X^T) part-way:
 
-    python scripts/gram_ns_numerics.py
+    python benchmarks/gram_ns_numerics.py
 """
 
 import torch

@@ -1,8 +1,8 @@
 """Time the max-logit measurement of muonrun/features/qkclip.py against the attention it watches, per layer.
 
-    python scripts/bench_max_logit.py                 # the 0.5B preset's shapes: 16 x 2048, 14/2 heads, dim 64
-    python scripts/bench_max_logit.py --batch 8 --heads 28 --kv-heads 4 --dim 128
-    python scripts/bench_max_logit.py --sweep         # and every tile setting of the kernel
+    python benchmarks/bench_max_logit.py                 # the 0.5B preset's shapes: 16 x 2048, 14/2 heads, dim 64
+    python benchmarks/bench_max_logit.py --batch 8 --heads 28 --kv-heads 4 --dim 128
+    python benchmarks/bench_max_logit.py --sweep         # and every tile setting of the kernel
 
 Prints milliseconds per layer call (median of CUDA-event timings): the Triton kernel, the matmul path
 (the CPU fallback, run here in bf16), and SDPA's forward and forward + backward on the same tensors.

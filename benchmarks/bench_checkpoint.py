@@ -1,8 +1,8 @@
 """Checkpoint save / load / export timing and size, with the real Trainer and Checkpointer.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 8 scripts/bench_checkpoint.py qwen2-adamw-fsdp2
-    python -m torch.distributed.run --standalone --nproc-per-node 8 scripts/bench_checkpoint.py qwen2-muon-fsdp2
-    python scripts/bench_checkpoint.py tiny --out /tmp/ckbench       # CPU smoke test, one process
+    python -m torch.distributed.run --standalone --nproc-per-node 8 benchmarks/bench_checkpoint.py qwen2-adamw-fsdp2
+    python -m torch.distributed.run --standalone --nproc-per-node 8 benchmarks/bench_checkpoint.py qwen2-muon-fsdp2
+    python benchmarks/bench_checkpoint.py tiny --out /tmp/ckbench       # CPU smoke test, one process
 
 It trains --steps steps (so the optimizer state exists), then times: a synchronous save (and its size
 on disk), an async save (time blocking the training loop, then until published), a load (resume) into
@@ -77,10 +77,10 @@ def main() -> None:
     args = ap.parse_intermixed_args()
 
     import muonrun.checkpoint.checkpointer as checkpointer
-    from muonrun.config import load_config, to_object, to_yaml
+    from muonrun.config import load_config, to_yaml
     from muonrun.distributed import destroy
     from muonrun.model.build import count_params
-    from muonrun.model.hf import export_hf
+    from muonrun.tools.export import export_hf
     from muonrun.train.trainer import Trainer
 
     if args.writer_threads:
@@ -98,7 +98,7 @@ def main() -> None:
         *args.overrides,
     ]
     cfg_node = load_config(args.config, overrides)
-    cfg = to_object(cfg_node)
+    cfg = cfg_node
     if int(os.environ.get("RANK", "0")) == 0:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -120,7 +120,7 @@ def main() -> None:
 
     sync(dev)
     t = time.perf_counter()
-    path = ck.save(trainer.state.step)
+    path = ck.save(trainer.state.step, trainer.state.tokens_seen)
     sync(dev)
     result["save_s"] = time.perf_counter() - t
     result["checksum_s"] = ck.timings["checksum_s"]  # part of save_s: hashing the files just written

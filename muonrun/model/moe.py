@@ -1,0 +1,98 @@
+"""Mixture-of-experts models (transformers' Qwen2-MoE and its kin): which parameters are stacked
+experts and routers, the router's load-balancing loss, expert-load statistics and active parameters.
+
+transformers keeps every layer's experts as stacked parameters of one `*Experts` module:
+`gate_up_proj` [E, 2I, H] (gate and up fused along dim 1, split by `chunk(2, dim=-1)` of the output)
+and `down_proj` [E, H, I]; the router (`*Router`, `mlp.gate.weight` [E, H]) is a classifier. Dense
+models have none of these, and nothing here runs for them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def num_experts(hf_config) -> int:
+    """Routed experts per MoE layer (0 for a dense model)."""
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0)
+
+
+def experts_per_token(hf_config) -> int:
+    return int(getattr(hf_config, "num_experts_per_tok", None) or 0)
+
+
+def is_moe(hf_config) -> bool:
+    return num_experts(hf_config) > 0 and experts_per_token(hf_config) > 0
+
+
+def is_router_module(module: nn.Module) -> bool:
+    """A router: a raw `weight` [E, H] scoring the experts for each token, e.g. `Qwen2MoeTopKRouter`."""
+    return type(module).__name__.endswith("Router")
+
+
+def router_aux_loss_coef(cfg, hf_config) -> float | None:
+    """The load-balancing loss weight for this run: `train.router_aux_loss_coef`, else the model
+    config's; None for a dense model."""
+    if not is_moe(hf_config):
+        return None
+    if cfg.train.router_aux_loss_coef is not None:
+        return float(cfg.train.router_aux_loss_coef)
+    return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def load_balancing_loss(router_logits: tuple[Tensor, ...], hf_config) -> Tensor:
+    """transformers' Switch-Transformer load-balancing loss over every MoE layer's router logits."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func(router_logits, num_experts(hf_config), experts_per_token(hf_config))
+
+
+@torch.no_grad()
+def expert_load(router_logits: tuple[Tensor, ...], top_k: int) -> dict[str, Tensor]:
+    """Per MoE layer i, from its router logits [tokens, E] (0-d device tensors, no host sync):
+    `expert_load_max_mean_<i>`, the busiest expert's share of the top-k assignments over the mean
+    share (1 = perfectly even, E / top_k = one expert in every token's top k), and
+    `router_entropy_<i>`, the mean entropy (nats) of the router's softmax per token (log E =
+    undecided). The unsuffixed keys are the largest load ratio and the mean entropy over layers."""
+    values: dict[str, Tensor] = {}
+    loads, entropies = [], []
+    for i, logits in enumerate(router_logits):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        n = logp.shape[-1]
+        chosen = logp.topk(top_k, dim=-1).indices.reshape(-1).float()
+        counts = torch.histc(chosen, bins=n, min=0, max=n)  # no host sync, unlike bincount
+        loads.append(counts.max() / counts.mean().clamp(min=1e-30))
+        entropies.append(-(logp.exp() * logp).sum(-1).mean())
+        values[f"expert_load_max_mean_{i}"] = loads[-1]
+        values[f"router_entropy_{i}"] = entropies[-1]
+    if loads:
+        values = {
+            "expert_load_max_mean": torch.stack(loads).max(),
+            "router_entropy": torch.stack(entropies).mean(),
+            **values,
+        }
+    return values
+
+
+def active_matmul_params(hf_config) -> int | None:
+    """Matmul weights one token passes through in the MLPs of all layers (top-k routed experts, the
+    shared expert and its gate, the router; dense MLPs in layers that have no experts), or None for a
+    dense model."""
+    if not is_moe(hf_config):
+        return None
+    h = hf_config.hidden_size
+    layers = hf_config.num_hidden_layers
+    moe_inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) or 0
+    step = getattr(hf_config, "decoder_sparse_step", None) or 1
+    dense_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    total = 0
+    for i in range(layers):
+        if i not in dense_only and (i + 1) % step == 0:
+            total += experts_per_token(hf_config) * 3 * h * moe_inter + num_experts(hf_config) * h
+            if shared:
+                total += 3 * h * shared + h
+        else:
+            total += 3 * h * hf_config.intermediate_size
+    return total

@@ -1,0 +1,153 @@
+"""Muon's elementwise passes (momentum into the exchange buffer; decay and update), fused by torch.compile.
+
+Muon's step reads and writes every matrix several times outside Newton–Schulz: the momentum
+update, the Nesterov look-ahead, its cast into the bf16 exchange buffer, the weight decay and the
+scaled update. As separate foreach ops that is about 30 + 18 bytes per fp32 element; fused, each
+group is one pass (read the gradient and the buffer, write the buffer and the bf16 look-ahead: 14
+bytes; read the parameter and the update, write the parameter: 10). torch.compile's inductor fuses
+the foreach ops of a list into combined kernels, so the same Python runs eagerly or compiled.
+
+``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
+bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
+learning-rate-dependent scalars travel as one device tensor, so a schedule that changes them every
+step compiles nothing new. Where compiling is not possible (a CPU, or a compile that fails) it runs
+the same ops eagerly and says so once. Only ``muonrun.optim.muon`` uses this module.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from muonrun import compat, log
+from muonrun.compat import compile_error
+from muonrun.distributed import to_device
+
+_said: set[str] = set()
+
+
+def _say_once(key: str, message: str, warning: bool = False) -> None:
+    if key not in _said:
+        _said.add(key)
+        (log.warning if warning else log.info)(message)
+
+
+def momentum_into(
+    bufs: Sequence[Tensor], grads: Sequence[Tensor], dsts: Sequence[Tensor], momentum: float, nesterov: bool
+) -> None:
+    """``buf = lerp(buf, grad, 1 - momentum)``; ``dst = lerp(grad, buf, momentum)`` (Nesterov) or
+    ``buf``, cast to ``dst``'s dtype: torch.optim.Muon's momentum, written into the exchange buffer."""
+    compat.foreach_lerp_(bufs, grads, 1 - momentum)
+    compat.foreach_copy_(dsts, compat.foreach_lerp(grads, bufs, momentum) if nesterov else bufs)
+
+
+def decay_and_update(
+    params: Sequence[Tensor],
+    updates: Sequence[Tensor],
+    scalars: Tensor | Sequence[float],
+    slots: Sequence[tuple[int, int]],
+) -> None:
+    """``p = p * scalars[f] + scalars[a] * u`` for each parameter with its slots ``(f, a)``: the
+    decoupled decay ``1 - lr * wd`` and the scaled update ``-adjust_lr(lr)``. With host numbers,
+    torch's two foreach ops (a factor of 1 skipped); with a device tensor (compiled: the values change
+    every step without recompiling), the update widened to fp32 and scaled, in one pass when fused."""
+    runs: dict[tuple[int, int], list[int]] = {}
+    for i, slot in enumerate(slots):
+        runs.setdefault(slot, []).append(i)
+    for (f, a), idx in runs.items():
+        ps, us = [params[i] for i in idx], [updates[i] for i in idx]
+        if isinstance(scalars, Tensor):
+            compat.foreach_mul_(ps, scalars[f])
+            compat.foreach_add_(ps, compat.foreach_mul([u.float() for u in us], scalars[a]))
+            continue
+        if scalars[f] != 1.0:
+            compat.foreach_mul_(ps, scalars[f])
+        compat.foreach_add_(ps, us, alpha=scalars[a])
+
+
+def _fresh(fn: Callable) -> Callable:
+    """A copy of ``fn`` with its own code object: dynamo keeps one cache per code object."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+
+
+class Passes:
+    """Muon's elementwise passes, compiled per bucket (``compiled=True``) or eager.
+
+    ``key`` names one bucket's call (the same key must always come with the same tensor shapes): its
+    compiled function is built at the first call and reused after."""
+
+    def __init__(self, compiled: bool, backend: str | Callable = "inductor") -> None:
+        self.compiled = compiled
+        self.backend = backend
+        self._fns: dict[tuple, Callable] = {}
+
+    def _call(self, key: tuple, fn: Callable, *args) -> None:
+        if not self.compiled:
+            return fn(*args)
+        compiled = self._fns.get(key)
+        if compiled is None:
+            compiled = torch.compile(_fresh(fn), backend=self.backend, fullgraph=True, dynamic=False)
+            self._fns[key] = compiled
+        try:
+            return compiled(*args)
+        except compile_error() as e:  # compiling failed before anything ran
+            _say_once(
+                "compile-failed",
+                f"Muon's fused elementwise passes could not be compiled ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}); they run as eager foreach ops instead "
+                "(optimizer.muon.fused=false silences this).",
+                warning=True,
+            )
+            self.compiled = False
+            return fn(*args)
+
+    def momentum(self, key: tuple, bufs, grads, dsts, momentum: float, nesterov: bool) -> None:
+        self._call(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov)
+
+    def decay_and_update(self, key: tuple, runs: Sequence[tuple[list, list, float, float]]) -> None:
+        """``runs``: (params, updates, decay factor, update scale) per group and shape. The host
+        scalars become one device tensor when compiled (without a host-to-device copy)."""
+        params, updates, values, slots, factors = [], [], [], [], {}
+        for ps, us, factor, alpha in runs:
+            if factor not in factors:
+                factors[factor] = len(values)
+                values.append(factor)
+            values.append(alpha)
+            params += ps
+            updates += us
+            slots += [(factors[factor], len(values) - 1)] * len(ps)
+        scalars = to_device(values, params[0].device) if self.compiled else values
+        self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots))
+
+    @classmethod
+    def choose(cls, fused: bool, plan: Sequence, backend: str | Callable | None) -> Passes:
+        """Compiled with ``backend`` when given (any device), else compiled where inductor generates
+        GPU code (``can_compile``), else eager; not fused: eager."""
+        if fused and backend is not None:
+            return cls(True, backend)
+        return cls(fused and bool(plan) and can_compile(plan[0].device))
+
+
+def can_compile(device: torch.device) -> bool:
+    """Whether the fused passes compile on this device (inductor's GPU backend needs triton); where
+    they cannot, they run eagerly and that is said once."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _say_once(
+                "no-triton", "Muon's fused elementwise passes need triton to compile; they run eagerly."
+            )
+            return False
+        return True
+    _say_once(
+        f"eager-{device.type}",
+        f"Muon's fused elementwise passes are compiled on GPUs only; on {device.type} they run as "
+        "eager foreach ops (the same arithmetic).",
+    )
+    return False

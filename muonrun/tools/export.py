@@ -1,0 +1,230 @@
+"""`muonrun export CHECKPOINT_OR_RUN OUT`: a checkpoint as a folder `from_pretrained` loads, with the
+run's features applied (a LoRA run's adapters merged, or written alone with `--adapter-only`).
+
+    muonrun export runs/tiny hf/          # the latest checkpoint of runs/tiny as a Hugging Face model
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from muonrun.checkpoint import CONFIG, load_model_tensors, read_meta, resolve_checkpoint, verify
+from muonrun.config import Config
+from muonrun.errors import UserError
+from muonrun.features import ExportJob, enabled
+
+
+def read_run_config(checkpoint: Path) -> Config:
+    """The config a checkpoint was saved with: its own config.yaml (covered by its manifest, so a hand-edited
+    or overwritten run config cannot change it); for a checkpoint written before checkpoints carried one,
+    its run folder's config.yaml, two levels up (the export then checks the model fits its tensors)."""
+    from muonrun.config import from_yaml
+
+    path = checkpoint / CONFIG
+    if not path.is_file():
+        path = checkpoint.resolve().parent.parent / CONFIG
+    if not path.is_file():
+        raise UserError(
+            f"Checkpoint '{checkpoint}' holds no {CONFIG} and its run folder has none either ('{path}' is "
+            "missing): the model cannot be rebuilt without the config the checkpoint was trained with."
+        )
+    return from_yaml(path.read_text(), source=f"file '{path}'")
+
+
+def check_export_folder(out: Path) -> None:
+    """The export goes into a new folder (or an empty one)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"Export folder '{out}' is a file; give the path of a new folder.")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"Export folder '{out}' is not empty; choose a new folder.")
+
+
+def check_tensors_fit(hf_config, tensors: dict[str, torch.Tensor], checkpoint: Path, cfg: Config) -> None:
+    """The tensors to export must be, name for name and shape for shape, the weights of the model the
+    checkpoint's config describes (built on the meta device): otherwise the folder written would not
+    load. A config that is not the one the checkpoint was trained with (a run folder's, edited or
+    rewritten) is caught here."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    problem = None
+    for name, tensor in tensors.items():
+        if name not in shapes:
+            problem = (
+                f"the checkpoint holds '{name}' {tuple(tensor.shape)}, which that model has no weight for"
+            )
+        elif tuple(tensor.shape) != shapes[name]:
+            problem = f"'{name}' is {tuple(tensor.shape)} in the checkpoint but {shapes[name]} in that model"
+        if problem:
+            break
+    missing = [name for name, _ in model.named_parameters() if name not in tensors]  # a tied head: once
+    if problem is None and missing:
+        problem = f"the checkpoint has no '{missing[0]}', which that model needs"
+    if problem:
+        raise UserError(
+            f"Checkpoint '{checkpoint}' does not fit the {hf_config.model_type} model its config describes: "
+            f"{problem}. The config is not the one the checkpoint was trained with (a run folder's "
+            f"{CONFIG}, edited or rewritten by a later run); export a checkpoint that carries its own {CONFIG}, "
+            "or restore the run's config. Nothing was written."
+        )
+
+
+BYTE_TOKENIZER_NOTE = (
+    "Tokenizer: muonrun's built-in byte-level tokenizer, so this folder has no tokenizer files. Token ids "
+    "0-255 are the UTF-8 bytes of the text, 256 is end-of-document (EOS): encode with "
+    "`list(text.encode('utf-8'))`, decode with `bytes(i for i in ids if i < 256).decode('utf-8', 'replace')`."
+)
+
+
+def hub_layout(tensors: dict[str, torch.Tensor], cfg, hf_config) -> dict[str, torch.Tensor]:
+    """The tensors as the model's Hub checkpoints name them. transformers keeps some weights in another
+    layout in memory than in its files (a mixture of experts' stacked `experts.gate_up_proj` [E, 2I, H]
+    is `experts.N.gate_proj.weight` and `up_proj` per expert on the Hub) and converts on load; this
+    undoes it, as `save_pretrained` does, so that other tools read the export too. A model without
+    such conversions is returned as it is."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from muonrun.model.build import build_model
+    from muonrun.model.moe import is_moe
+
+    if not is_moe(hf_config):
+        return tensors
+    return revert_weight_conversion(build_model(cfg.model, hf_config), dict(tensors))
+
+
+def export_hf(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str = "float32",
+    adapter_only: bool = False,
+    *,
+    shown_as: Path | None = None,
+) -> Path:
+    """Write a Hugging Face folder (config.json, safetensors, tokenizer files or a README note) that
+    `AutoModelForCausalLM.from_pretrained(out)` loads, with the run's features applied (a LoRA run's
+    adapters merged into its base). `adapter_only`: a LoRA run's adapter folder for
+    `peft.PeftModel.from_pretrained(base, out)`, written by the LoRA feature. Runs on one process;
+    needs CPU memory for one full copy of the model in `dtype` (LoRA: in float32 as well). `shown_as`:
+    the path the folder's README names, where it is written elsewhere first."""
+    checkpoint = resolve_checkpoint(checkpoint)
+    verdict = verify(checkpoint)
+    if not verdict.ok:
+        raise verdict.error()
+    out = Path(out)
+    check_export_folder(out)
+    # Written beside `out` and renamed into place once complete: a failed export leaves nothing behind.
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _export(checkpoint, staging, dtype, adapter_only, shown_as or out)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _export(checkpoint: Path, out: Path, dtype: str, adapter_only: bool, shown_as: Path) -> None:
+    """`export_hf`'s work, into `out` (its staging folder); `shown_as`: the path the README names."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from muonrun.data import build_tokenizer
+    from muonrun.model.build import build_hf_config
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"Export dtype '{dtype}' is not one of float32, bfloat16, float16.")
+    cfg = read_run_config(checkpoint)
+    tok = build_tokenizer(cfg.data.tokenizer)
+    hf_config = build_hf_config(cfg.model, tok.vocab_size)
+    byte = cfg.data.tokenizer == "byte"
+    job = ExportJob(
+        cfg,
+        hf_config,
+        checkpoint,
+        load_model_tensors(checkpoint),
+        out,
+        dtype,
+        tok,
+        shown_as,
+        header=exported_from(checkpoint, dtype),
+        tokenizer_note=BYTE_TOKENIZER_NOTE if byte else f"Tokenizer: `{cfg.data.tokenizer}`.",
+        options={"adapter_only": adapter_only} if adapter_only else {},
+    )
+    for feature in enabled(cfg):
+        result = feature.export(job)
+        if isinstance(result, Path):
+            return
+        if result is not None:
+            job.tensors = result
+    if job.options:
+        raise UserError(
+            f"--{next(iter(job.options)).replace('_', '-')}: checkpoint '{checkpoint}' is of a run none of whose "
+            "features exports that way (--adapter-only is for LoRA runs: model.lora.enabled is false in its "
+            "config.yaml); export it without the option."
+        )
+    check_tensors_fit(hf_config, job.tensors, checkpoint, cfg)
+    sd = hub_layout(job.tensors, cfg, hf_config)
+    sd = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sd.items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)  # transformers ties it back to the input embedding
+    out.mkdir(parents=True, exist_ok=True)
+    split = split_torch_state_dict_into_shards(
+        sd, filename_pattern="model{suffix}.safetensors", max_shard_size="5GB"
+    )
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: sd[n] for n in names}, out / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())}}
+        index["weight_map"] = split.tensor_to_filename
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_config.dtype = dtype
+    # The model was trained on documents ending in the tokenizer's EOS: generation must stop there.
+    hf_config.eos_token_id = tok.eos_token_id
+    if cfg.data.tokenizer == "byte":
+        hf_config.bos_token_id = None
+        hf_config.pad_token_id = None
+        note = BYTE_TOKENIZER_NOTE
+    else:
+        tok.hf.save_pretrained(out)
+        hf_config.bos_token_id = tok.hf.bos_token_id
+        hf_config.pad_token_id = tok.hf.pad_token_id
+        note = f"Tokenizer: `{cfg.data.tokenizer}` (files included)."
+    hf_config.save_pretrained(out)
+    notes = "".join(f" {n}" for n in job.notes)
+    (out / "README.md").write_text(
+        f"# {cfg.name} (muonrun export)\n\n{job.header}{notes}\n\n{note}\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM\n"
+        f'model = AutoModelForCausalLM.from_pretrained("{shown_as}")\n```\n'
+    )
+
+
+def export_replacing(checkpoint: Path, out: Path) -> Path:
+    """`export_hf` for checkpoint.export_at_end, into the run's own folder, which a rerun (or a resumed
+    run that trains further) exports to again: the new export is written beside it and swapped in once
+    complete, so `out` never holds half of one."""
+    fresh, old = out.with_name(out.name + ".new"), out.with_name(out.name + ".old")
+    for leftover in (fresh, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    export_hf(checkpoint, fresh, shown_as=out)
+    if out.exists():
+        out.rename(old)
+    fresh.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def exported_from(checkpoint: Path, dtype: str) -> str:
+    meta = read_meta(checkpoint)
+    return (
+        f"Exported from `{checkpoint}` (step {meta['step']}, {meta['tokens_seen']:,} training tokens), "
+        f"weights in {dtype}."
+    )

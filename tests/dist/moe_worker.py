@@ -1,0 +1,184 @@
+"""Muon on stacked experts under FSDP2, run by tests/test_moe.py under torch.distributed.run (gloo, CPU).
+
+usage: moe_worker.py
+
+Every rank builds the same expert stacks ([E, 2I, H] fused gate/up, [E, H, I] down) and gradients from
+fixed seeds, shards a copy with ``fully_shard`` (dim 0: whole experts per rank) and keeps a reference of
+every expert matrix as its own plain 2-D tensor: gate rows, up rows and down of each expert. Plain Muon
+is compared with torch.optim.Muon on those matrices; NorMuon and fp32 Newton–Schulz with our Muon on
+them (itself checked against torch and the paper in tests/test_muon.py). On 3 ranks the expert counts
+cover even (3), uneven (5) and a rank holding no expert (2 and 4 experts: torch.chunk gives the last
+rank none). Comparisons use each rank's own experts, without communication. Global rank 0 prints
+``MOE_WORKER_OK`` at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
+
+from muonrun.distributed import destroy, release_process_groups
+from muonrun.optim import Muon, split_params
+
+H, INTER = 12, 8
+LR = 0.05
+RTOL = 0.02  # bf16: one ulp of a matrix's norm moves its update by ~0.4%; a wrong expert by 100%
+RTOL_FP32 = 1e-4
+
+
+class ToyExperts(nn.Module):
+    """Stacked expert weights laid out as transformers' Qwen2MoeExperts."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * INTER, H))
+        self.down_proj = nn.Parameter(torch.empty(n, H, INTER))
+
+
+class Toy(nn.Module):
+    def __init__(self, counts: list[int], seed: int):
+        super().__init__()
+        self.layers = nn.ModuleList(ToyExperts(n) for n in counts)
+        self.proj = nn.Linear(H, H, bias=False)  # a 2-D matrix next to them: the all-to-all path
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def expert_matrices(full: torch.Tensor, name: str) -> list[torch.Tensor]:
+    """Every expert's matrices of a full stacked tensor, as views: gate and up apart for gate_up_proj."""
+    k = 2 if name.endswith("gate_up_proj") else 1
+    return [m for e in full for m in e.chunk(k, dim=0)]
+
+
+def full_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_decay, steps=4) -> float:
+    """Step a sharded Toy and the per-matrix reference; return the worst relative error seen."""
+    model = Toy(counts, seed=7)
+    ref_model = Toy(counts, seed=7)
+    fully_shard(model, mesh=mesh)
+    split = split_params(model)
+    assert [n for n, _ in split.experts] == [n for n, p in model.named_parameters() if p.ndim == 3], split
+    assert [n for n, _ in split.muon] == ["proj.weight"], split.names()
+    kw = dict(lr=LR, weight_decay=weight_decay, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    gate_up = [p for n, p in split.experts if n.endswith("gate_up_proj")]
+    down = [p for n, p in split.experts if n.endswith("down_proj")]
+    opt = Muon(
+        [
+            {"params": [p for _, p in split.muon]},
+            {"params": gate_up, "matrices_per_expert": 2},
+            {"params": down, "matrices_per_expert": 1},
+        ],
+        variant=variant,
+        ns_dtype=ns_dtype,
+        **kw,
+    )
+    ref_names, ref_params = [], []
+    for n, p in ref_model.named_parameters():
+        mats = [p.data] if p.ndim == 2 else expert_matrices(p.data, n)
+        ref_names += [n] * len(mats)
+        ref_params += [nn.Parameter(m.clone()) for m in mats]
+    if variant == "muon" and ns_dtype == torch.bfloat16:
+        ref = torch.optim.Muon(ref_params, **kw)
+    else:
+        ref = Muon(ref_params, variant=variant, ns_dtype=ns_dtype, **kw)
+    init = [p.detach().clone() for p in ref_params]
+    for step in range(steps):
+        grads = full_grads(ref_model, step)
+        for n, p in model.named_parameters():
+            p.grad = distribute_tensor(grads[n], p.device_mesh, p.placements)
+        i = 0
+        for n, p in ref_model.named_parameters():
+            mats = [grads[n]] if p.ndim == 2 else expert_matrices(grads[n], n)
+            for m in mats:
+                ref_params[i].grad = m.clone()
+                i += 1
+        opt.step()
+        ref.step()
+    worst = 0.0
+    for n, p in model.named_parameters():
+        if p.ndim != 3:
+            continue
+        local = p.to_local()
+        c = -(-p.shape[0] // mesh.size())
+        first = mesh.get_local_rank() * c  # this rank's first expert (torch.chunk layout)
+        assert local.shape[0] == max(0, min(p.shape[0], first + c) - first), (n, tuple(local.shape))
+        k = 2 if n.endswith("gate_up_proj") else 1
+        for e in range(local.shape[0]):
+            for j, mine in enumerate(local[e].chunk(k, dim=0)):
+                r = next(i for i, rn in enumerate(ref_names) if rn == n) + (first + e) * k + j
+                moved = (ref_params[r].detach() - init[r]).abs().max()
+                err = ((mine - ref_params[r].detach()).abs().max() / moved).item()
+                worst = max(worst, err)
+    return worst
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    counts = [2, 3, 4, 5]  # on 3 ranks: a rank with none (2 and 4), even (3), uneven (5)
+    combos = [
+        ("muon", torch.bfloat16, None, True, 0.1),
+        ("muon", torch.bfloat16, "match_rms_adamw", False, 0.0),
+        ("muon", torch.float32, "original", True, 0.1),
+        ("normuon", torch.float32, "match_rms_adamw", True, 0.1),
+        ("normuon", torch.bfloat16, None, False, 0.0),
+    ]
+    for variant, ns_dtype, adjust, nesterov, wd in combos:
+        err = run(mesh, counts, variant, ns_dtype, adjust, nesterov, wd)
+        tol = RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32
+        what = f"{variant} {ns_dtype} adjust_lr_fn={adjust} nesterov={nesterov} wd={wd}"
+        assert err <= tol, f"rank {dist.get_rank()}: {what}: expert matrices differ by {err:.2e} (> {tol})"
+        if dist.get_rank() == 0:
+            print(f"{what}: worst relative difference {err:.1e}", flush=True)
+
+    # Experts alone exchange nothing: no all-to-all, and every rank orthogonalises only its own matrices.
+    model = Toy(counts, seed=3)
+    fully_shard(model, mesh=mesh)
+    experts = [p for n, p in model.named_parameters() if p.ndim == 3]
+    opt = Muon([{"params": experts, "matrices_per_expert": 1}], lr=LR)
+    for p in experts:
+        p.grad = distribute_tensor(torch.ones(p.shape), p.device_mesh, p.placements)
+    opt.step()
+    assert opt.stats["all_to_all"] == 0, opt.stats
+    mine = sum(p.to_local().shape[0] for p in experts)
+    assert opt.stats["orthogonalized"] == mine, (opt.stats, mine)
+    # telemetry over every rank's experts: the update's RMS and the momentum's norm, as measured here
+    before = [p.to_local().clone() for p in experts]
+    opt.collect_telemetry = True
+    opt.step()
+    sums = torch.zeros(2)
+    for p, b in zip(experts, before, strict=True):
+        sums[0] += (p.to_local() - b).square().sum()
+        sums[1] += opt.state[p]["momentum_buffer"].to_local().square().sum()
+    dist.all_reduce(sums)
+    numel = sum(p.numel() for p in experts)
+    assert torch.allclose(opt.telemetry["update_rms"], (sums[0] / numel).sqrt(), rtol=1e-4), opt.telemetry
+    assert torch.allclose(opt.telemetry["momentum_norm"], sums[1].sqrt(), rtol=1e-4), opt.telemetry
+    # the NorMuon state lives with the expert rows: [E, out], sharded like the experts
+    nor = Muon([{"params": experts, "matrices_per_expert": 1}], lr=LR, variant="normuon")
+    nor.step()
+    for p in experts:
+        v = nor.state[p]["second_moment"]
+        assert tuple(v.shape) == tuple(p.shape[:2]) and v.placements == p.placements, (v.shape, v.placements)
+        assert v.to_local().shape[0] == p.to_local().shape[0]
+    rank = dist.get_rank()
+    destroy()
+    release_process_groups()
+    if rank == 0:
+        print("MOE_WORKER_OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

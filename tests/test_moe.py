@@ -1,0 +1,295 @@
+"""Mixture-of-experts (Qwen2-MoE): the model, its load-balancing loss and expert load, FLOPs over active
+parameters, the optimizer split, Muon per expert matrix on gloo ranks (tests/dist/moe_worker.py), and
+`tiny-moe` end to end: exact resume, reshard on resume, export that transformers loads and generates with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_workers
+from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
+
+from muonrun.config import ModelConfig
+from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
+from muonrun.model.moe import active_matmul_params, expert_load
+from muonrun.optim import split_params
+
+MOE = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 5,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 48,
+    "tie_word_embeddings": True,
+}
+
+
+def moe_model(coef: float | None = 0.01, seed: int = 0) -> CausalLMWithLoss:
+    m = ModelConfig(architecture="qwen2_moe", hf=dict(MOE))
+    hf = build_hf_config(m)
+    model = CausalLMWithLoss(build_model(m, hf), loss_chunk_tokens=0, router_aux_loss_coef=coef)
+    model.to_empty(device="cpu")
+    init_weights(model, 0.02, seed, torch.device("cpu"))
+    return model
+
+
+def test_moe_model_initialises_every_expert_and_router_from_its_own_seed():
+    model = moe_model()
+    experts = model.lm.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) == (5, 32, 32) and tuple(experts.down_proj.shape) == (5, 32, 16)
+    for p in (experts.gate_up_proj, experts.down_proj, model.lm.model.layers[0].mlp.gate.weight):
+        assert 0.015 < p.std().item() < 0.025 and abs(p.mean().item()) < 0.005
+    for e in range(4):  # every expert its own draw, not one repeated
+        assert not torch.equal(experts.gate_up_proj[e], experts.gate_up_proj[e + 1])
+    again = moe_model()
+    assert torch.equal(
+        again.lm.model.layers[1].mlp.experts.down_proj, model.lm.model.layers[1].mlp.experts.down_proj
+    )
+
+
+def test_the_loss_is_the_lm_loss_and_its_gradient_adds_the_router_balance():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with_aux, without = moe_model(coef=0.5), moe_model(coef=0.0)
+    loss = with_aux(ids, ids)
+    assert torch.equal(loss.detach(), without(ids, ids).detach())  # same value: the LM loss
+    out = with_aux.lm.base_model(input_ids=ids, use_cache=False, output_router_logits=True)
+    aux = load_balancing_loss_func(out.router_logits, 5, 2)
+    loss.backward()
+    without(ids, ids).backward()
+    router = [m.lm.model.layers[0].mlp.gate.weight.grad for m in (with_aux, without)]
+    assert not torch.allclose(router[0], router[1])  # the balance term reaches the router
+    values = with_aux.moe_telemetry()
+    assert torch.allclose(values["aux_loss"], aux.detach())
+    assert "expert_load_max_mean" not in values  # only watched (logged) steps pay for the load statistics
+    with_aux.watch_experts = True
+    with torch.no_grad():
+        with_aux(ids, ids)
+    assert with_aux.moe_telemetry() == {}  # evaluation: no aux loss, no statistics
+
+
+def test_expert_load_reports_the_busiest_expert_and_router_entropy():
+    even = torch.zeros(8, 4)  # undecided router: entropy log 4, top-2 ties all on experts 0 and 1
+    skewed = torch.tensor([[9.0, 0.0, 0.0, 0.0], [0.0, 9.0, 0.0, 0.0]] * 4)
+    values = expert_load((even, skewed), top_k=1)
+    assert values["router_entropy_0"].item() == pytest.approx(torch.log(torch.tensor(4.0)).item())
+    assert values["expert_load_max_mean_1"].item() == pytest.approx(2.0)  # half the tokens each on 2 of 4
+    assert values["expert_load_max_mean"].item() == pytest.approx(4.0)  # layer 0: all on expert 0
+    assert values["router_entropy_1"].item() < 0.01
+
+
+def test_flops_count_the_active_experts_only():
+    hf = build_hf_config(ModelConfig(architecture="qwen2_moe", hf=dict(MOE)))
+    active = active_matmul_params(hf)
+    per_layer = 2 * 3 * 32 * 16 + 5 * 32 + 3 * 32 * 48 + 32  # top-2 experts, router, shared expert + gate
+    assert active == 2 * per_layer
+    all_experts = dict(MOE, num_experts_per_tok=5)
+    more = flops_per_token(build_hf_config(ModelConfig(architecture="qwen2_moe", hf=all_experts)), 16)
+    assert more - flops_per_token(hf, 16) == 3 * 2 * 2 * (3 * 3 * 32 * 16)  # 3 more experts, 2 layers
+    dense = build_hf_config(ModelConfig(architecture="qwen2", hf={k: MOE[k] for k in list(MOE)[:6]}))
+    assert active_matmul_params(dense) is None
+
+
+def test_experts_go_to_muon_as_stacks_and_routers_and_gates_to_adamw():
+    split = split_params(moe_model())
+    names = split.names()
+    assert names["experts"] == [
+        f"lm.model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
+    ]
+    assert "lm.model.layers.0.mlp.gate.weight" in names["other"]  # the router
+    assert "lm.model.layers.0.mlp.shared_expert_gate.weight" in names["other"]
+    assert "lm.model.layers.0.mlp.shared_expert.up_proj.weight" in names["muon"]
+    assert not any("experts" in n for n in names["muon"] + names["other"])
+
+
+@pytest.mark.slow
+def test_muon_on_experts_matches_torch_muon_per_expert_matrix():
+    """One 3-rank gloo launch: 2, 3, 4 and 5 experts (a rank with none, even, uneven), Muon against
+    torch.optim.Muon per expert matrix (gate and up apart), fp32 and NorMuon against our Muon on the
+    separate matrices, no all-to-all, NorMuon's v sharded like the experts."""
+
+    out = run_workers(Path(__file__).parent / "dist" / "moe_worker.py", 3, timeout=600)
+    assert "MOE_WORKER_OK" in out, out
+    assert out.count("worst relative difference") == 5, out
+
+
+# -- tiny-moe end to end --------------------------------------------------------------------------------
+
+SMALL = [
+    "data.seq_len=64",
+    "train.micro_batch_size=2",
+    "train.eval_interval=0",
+    "logging.log_interval=1",
+    "logging.console=plain",
+    "train.max_steps=4",
+    "checkpoint.interval=2",
+]
+
+
+def muonrun(*args: str, timeout: float = 500) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "muonrun", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r.stdout + r.stderr
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tiny_moe_resumes_exactly_reshards_and_exports_a_model_transformers_generates_with(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    muonrun("pretrain", "tiny-moe", f"output_dir={full}", *SMALL, "checkpoint.export_at_end=true")
+    train = [r for r in rows(full) if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    for key in ("aux_loss", "expert_load_max_mean", "router_entropy", "expert_load_max_mean_3"):
+        assert all(isinstance(r[key], float) for r in train), (key, train[-1])
+    # stopped after step 2 (max_steps=2), then resumed to 4 on the same 2 workers: bitwise the same losses
+    muonrun("pretrain", "tiny-moe", f"output_dir={cut}", *SMALL, "train.max_steps=2")
+    text = muonrun("pretrain", "tiny-moe", f"output_dir={cut}", *SMALL)
+    assert "resumed" in text
+    assert [r["loss"] for r in rows(cut) if "loss" in r and r["step"] > 2] == [r["loss"] for r in train[2:]]
+    # resharded: the 2-worker checkpoint of step 2 resumed by 1 worker
+    one = tmp_path / "one"
+    text = muonrun(
+        "pretrain", "tiny-moe", f"output_dir={one}", *SMALL,
+        f"checkpoint.resume_from={full / 'checkpoints' / 'step-2'}", "--nproc-per-node", "1",
+    )  # fmt: skip
+    assert "resharded" in text
+    assert [r["step"] for r in rows(one) if "loss" in r] == [3, 4]
+    # the export loads with transformers alone and generates
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(full / "hf")
+    assert hf.config.model_type == "qwen2_moe" and hf.config.num_experts == 6
+    out = hf.generate(torch.tensor([[10, 20, 30]]), max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 8)
+
+
+def test_lora_on_a_mixture_of_experts_is_refused_naming_the_key(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from muonrun.cli import app
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(
+        build_hf_config(ModelConfig(architecture="qwen2_moe", hf=dict(MOE, num_hidden_layers=4)))
+    ).save_pretrained(base)  # 4 layers like tiny-moe, whose model.hf applies on top
+    result = CliRunner().invoke(
+        app,
+        ["pretrain", "tiny-moe", "model.lora.enabled=true", "model.init=pretrained", f"model.name_or_path={base}",
+         "--dry-run"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "model.lora.enabled" in result.output and "mixture-of-experts" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_compiled_moe_layers_give_the_eager_loss_and_router_balance_without_recompiling():
+    """Per-layer compile (aot_eager: the graphs autograd runs, without inductor's build time) over the
+    experts path transformers picks on CPU and the router-logit capture the balance loss reads."""
+    from muonrun.model.build import decoder_layers
+    from muonrun.model.parallelize import apply_compile_and_checkpointing
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    eager, compiled = moe_model(coef=0.5), moe_model(coef=0.5)
+    apply_compile_and_checkpointing(decoder_layers(compiled), "none", True, backend="aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for _ in range(2):
+        for m in (eager, compiled):
+            m.zero_grad()
+            m(ids, ids).backward()
+    assert torch.allclose(compiled.moe_telemetry()["aux_loss"], eager.moe_telemetry()["aux_loss"])
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0
+    assert not torch._dynamo.utils.counters["recompiles"], dict(torch._dynamo.utils.counters["recompiles"])
+
+
+def test_console_and_compare_show_the_router_balance_and_expert_load():
+    from muonrun.observe.console import step_fields
+    from muonrun.tools.compare import Run, table_metrics, telemetry_summary
+
+    row = {
+        "step": 10, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0, "tokens_per_s_per_device": 1.0,
+        "step_time": 1.0, "data_wait_time": 0.0, "aux_loss": 2.0312, "expert_load_max_mean": 1.5,
+        "router_entropy": 1.7,
+    }  # fmt: skip
+    fields = dict(step_fields(row, 20, None))
+    assert fields["aux"] == "2.0312" and fields["load"] == "1.50x"
+    assert "aux" not in dict(step_fields({**row, "aux_loss": None}, 20, None))  # a dense run shows neither
+    run = Run(Path("r"), "r", "muon", [{**row, "step": 5, "expert_load_max_mean": 3.0}, row])
+    summary = telemetry_summary(run)
+    assert summary == {"aux_loss": 2.0312, "expert_load_max_mean": 1.5, "router_entropy": 1.7}
+    keys = [k for k, _, _ in table_metrics([summary])]
+    assert {"aux_loss", "expert_load_max_mean", "router_entropy"} <= set(keys)
+
+
+def test_dry_run_plans_expert_newton_schulz_on_the_ranks_holding_the_experts():
+    from muonrun.config import load_config
+    from muonrun.optim.newton_schulz import newton_schulz_flops
+    from muonrun.tools.plan import plan_summary
+
+    s = plan_summary(load_config("tiny-moe", ["optimizer.muon.gram_ns=false"]), 4)
+    per_expert = 4 * (2 * newton_schulz_flops((96, 128), 5) + newton_schulz_flops((128, 96), 5))  # 4 layers
+    # 6 experts on 4 ranks in torch.chunk order: 2, 2, 2, 0
+    assert s["expert_ns_flops_per_rank_step"] == [2 * per_expert, 2 * per_expert, 2 * per_expert, 0]
+    assert s["muon_parameters"] > 4 * (6 * 3 * 128 * 96)  # the experts are in Muon, with the shared experts
+    assert (
+        plan_summary(load_config("tiny-moe", ["optimizer.name=adamw"]), 4)["expert_ns_flops_per_rank_step"]
+        == [0] * 4
+    )
+
+
+def test_export_writes_the_hub_layout_of_experts_that_transformers_loads_back(tmp_path):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from muonrun.tools.export import hub_layout
+
+    m = ModelConfig(architecture="qwen2_moe", hf=dict(MOE))
+    hf = build_hf_config(m)
+    model = AutoModelForCausalLM.from_config(hf)
+    tensors = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    cfg = type("Cfg", (), {"model": m})()
+    sd = hub_layout(tensors, cfg, hf)
+    assert "model.layers.1.mlp.experts.4.gate_proj.weight" in sd and not any(
+        k.endswith("gate_up_proj") for k in sd
+    )
+    fused = tensors["model.layers.1.mlp.experts.gate_up_proj"]
+    assert torch.equal(sd["model.layers.1.mlp.experts.4.up_proj.weight"], fused[4, 16:])
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"}
+    )
+    hf.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.model.layers[1].mlp.experts.gate_up_proj, fused)
+    assert torch.equal(
+        loaded.model.layers[0].mlp.experts.down_proj, tensors["model.layers.0.mlp.experts.down_proj"]
+    )
+
+
+def test_a_router_that_is_a_linear_stays_on_adamw():
+    """Some transformers versions make the router an nn.Linear `gate` beside the `experts`."""
+    model = moe_model()
+    block = model.lm.model.layers[0].mlp
+    block.gate = torch.nn.Linear(32, 5, bias=False)
+    names = split_params(model).names()
+    assert "lm.model.layers.0.mlp.gate.weight" in names["other"]
+    assert "lm.model.layers.0.mlp.gate.weight" not in names["muon"]
