@@ -23,7 +23,6 @@ import contextlib
 import glob
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -33,12 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
+from muonrun import log
 from muonrun.data.identity import fingerprints
 from muonrun.data.sources import load_parts, read_error, resolve_files
 from muonrun.data.tokenizer import encode_docs
 from muonrun.errors import UserError
-
-log = logging.getLogger(__name__)
 
 CACHE_VERSION = 2
 """Bump when the layout of tokens.bin or the tokenization rule changes: old entries are then ignored.
@@ -291,7 +289,7 @@ def ensure_cached(src, key: str, tok, data_cfg, report: bool = True) -> TokenCac
         tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            log.info("tokenizing %s (%s) into %s", key, src.path, final)
+            log.info(f"tokenizing {key} ({src.path}) into {final}")
             meta = _write_tokens(src, key, tok, data_cfg, tmp, files)
             meta["key"] = ckey
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -24,19 +24,17 @@ once early for a long pass). A streaming source checks each block as it reads it
 
 from __future__ import annotations
 
-import logging
 from itertools import islice
 
 import numpy as np
 import torch
 
+from muonrun import log
 from muonrun.data.batches import to_batch
 from muonrun.data.cache import TokenCache, ensure_cached
 from muonrun.data.identity import DataIdentity, describe_source, epoch_changed
 from muonrun.data.streaming import streaming_loader
 from muonrun.errors import UserError
-
-log = logging.getLogger(__name__)
 
 
 def _weights(sources: list[tuple[str, object]]) -> np.ndarray:
@@ -260,9 +258,9 @@ def prepare(cfg):
     for split in splits:
         for key, src in named_sources(cfg, split):
             if src.streaming:
-                log.info("%s (%s) streams; nothing to prepare", key, src.path)
+                log.info(f"{key} ({src.path}) streams; nothing to prepare")
                 continue
             entry: TokenCache = ensure_cached(src, key, tok, cfg.data)
             entry.windows(cfg.data.seq_len, key)  # fail now, not at step 0, when it is too short
-            log.info("%s: %d tokens in %s", key, entry.meta["num_tokens"], entry.path)
+            log.info(f"{key}: {entry.meta['num_tokens']} tokens in {entry.path}")
     return cache_root(cfg.data)
