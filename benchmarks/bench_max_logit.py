@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,12 @@ import torch.nn.functional as F
 from muonrun.features.qkclip import causal_max_logit, causal_max_logit_matmul
 
 
-def timed(fn, repeats: int = 20) -> float:
-    for _ in range(3):
+def timed(fn, repeats: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of `fn` on the GPU (CUDA events around each call), after `warmup` calls.
+    benchmarks/bench_ns_levers.py times with it too."""
+    for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -31,7 +35,7 @@ def timed(fn, repeats: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def main() -> None:

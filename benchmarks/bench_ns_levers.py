@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_max_logit import timed  # benchmarks/: on the path when a script runs
 
 from muonrun.optim import Muon  # noqa: E402
 from muonrun.optim.newton_schulz import (  # noqa: E402
@@ -99,21 +100,6 @@ def evaluate(G: torch.Tensor, coefficients, steps: int, gram: bool, precondition
     return ns_iterations(G, per_step, gram=gram, scaling=Scaling(precondition, norm_scale))
 
 
-def cuda_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def ns_table(models: list[str], iters: int) -> list[dict]:
     rows = []
     dev = torch.device(DEVICE)
@@ -127,7 +113,7 @@ def ns_table(models: list[str], iters: int) -> list[dict]:
                 out = evaluate(G.bfloat16()[None], coefficients, steps, gram, precondition, folded)[0]
                 distance = ((out.double() - polar).norm() / polar.norm()).item()
                 args = (batch, coefficients, steps, gram, precondition, folded)
-                ms = cuda_ms(lambda args=args: evaluate(*args), iters)
+                ms = timed(lambda args=args: evaluate(*args), iters)
                 flops = count * newton_schulz_flops((rows_, cols), steps, gram)
                 row = {
                     "model": model,
@@ -168,7 +154,7 @@ def step_table(models: list[str], iters: int) -> list[dict]:
             opt.step()
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
-            ms = cuda_ms(opt.step, iters, warmup=2)
+            ms = timed(opt.step, iters, warmup=2)
             sample = [p.detach().clone() for p in ps[:7]]  # one layer
             finals[label] = sample
             row = {"model": model, "variant": label, "ms": ms, "first_step_s": first}
