@@ -128,6 +128,7 @@ class Trainer:
         # checkpointed; a resume (or init_from) overwrites the rest; a fresh start may take pretrained
         # weights.
         frozen = any(not p.requires_grad for p in self.model.parameters())
+        config_yaml = to_yaml(cfg)
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
             Path(cfg.output_dir) / "checkpoints",
@@ -139,7 +140,7 @@ class Trainer:
             },
             rank_states={"loader": self.loader, "rng": RNGState(self.dist.device)},
             identity={k: v for f in self.features for k, v in f.identity(self.dist).items()},
-            config_yaml=to_yaml(cfg),
+            config_yaml=config_yaml,
         )
         try:
             if frozen:
@@ -150,7 +151,7 @@ class Trainer:
             self.checkpointer.close()  # gives the signal handlers back: no Trainer exists to close it
             raise
         if self.dist.is_main:  # only now: a run refused while loading leaves the folder's config as it was
-            write_run_config(Path(cfg.output_dir), to_yaml(cfg))
+            write_run_config(Path(cfg.output_dir), config_yaml)
         fpt = model_flops_per_token(self.hf_config, cfg.data.seq_len)
         self.metrics = Metrics(
             cfg,
