@@ -52,9 +52,11 @@ def _hf_weight_files(name_or_path: str, d: Dist | None) -> dict[str, Path]:
 
 
 def _pretrained_name(name: str, features: list[Feature]) -> str | None:
+    """A parameter's name in the weight files after every feature's say (None: not in them)."""
     for feature in features:
-        if name is not None:
-            name = feature.pretrained_name(name)
+        name = feature.pretrained_name(name)
+        if name is None:
+            return None
     return name
 
 
