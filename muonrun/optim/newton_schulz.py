@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
+
 __all__ = [
     "ADJUST_LR_FNS",
     "DEFAULT_NS_COEFFICIENTS",
@@ -223,13 +225,16 @@ def ns_iterations(
     fold_identity: bool = False,
     scaling: Scaling | None = None,
     out: Tensor | None = None,
+    products: Sequence[Products] | None = None,
 ) -> Tensor:
     """Newton–Schulz on a stack ``[k, rows, cols]``: with ``gram``, the Gram form where
     ``uses_gram_form``; else the standard one. ``X`` is normalised, or with ``scaling`` it is not and
-    its scale is folded into the first iteration. Returns a new contiguous tensor, or ``out``."""
+    its scale is folded into the first iteration. ``products``: how each iteration's matrix products
+    are evaluated (one ``ns_products.Products`` per iteration; None: torch's for all).
+    Returns a new contiguous tensor, or ``out``."""
     if gram and uses_gram_form(X.shape, len(per_step)):
-        return gram_iterations(X, per_step, scaling=scaling, out=out)
-    return standard_iterations(X, per_step, fold_identity, scaling=scaling, out=out)
+        return gram_iterations(X, per_step, scaling=scaling, out=out, products=products)
+    return standard_iterations(X, per_step, fold_identity, scaling=scaling, out=out, products=products)
 
 
 def standard_iterations(
@@ -239,6 +244,7 @@ def standard_iterations(
     *,
     scaling: Scaling | None = None,
     out: Tensor | None = None,
+    products: Sequence[Products] | None = None,
 ) -> Tensor:
     """Newton–Schulz iterations on a normalised stack (bf16 or fp32) ``[k, rows, cols]`` (returns a new tensor).
 
@@ -255,24 +261,26 @@ def standard_iterations(
     with ``A' = D A D`` (``D`` diagonal), so no pass over the full-size ``X`` normalises it.
     ``out``: a tensor of ``X``'s shape and dtype the last product writes into (it may be ``X``'s
     own memory, then a copy is made); returned in place of a new tensor.
+    ``products``: one ``ns_products.Products`` per iteration (None: torch's).
     """
     tall = X.shape[-2] > X.shape[-1]
     if not per_step:
         return _finish(X if scaling is None else scale_input(X, scaling), out)
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
-        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)  # tall: the iteration on X^T
+        ops = TORCH_PRODUCTS if products is None else products[i]
+        A = ops.gram(X, tall)  # tall: the iteration on X^T
         d = None
         if i == 0 and scaling is not None:
             d = gram_scale(A, scaling).to(A.dtype)  # one D for A and X: same-dtype passes are the fast ones
             A.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))  # A' = D A D, in place
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        B = ops.poly(A, b, c)
         dst = out if i == last and out is not None and not _overlaps(out, X) else None
         if fold_identity or d is not None:
             B.diagonal(dim1=-2, dim2=-1).add_(a)
             if d is not None:
                 B.mul_(d.unsqueeze(-2))  # (B' + a I) D: the scale of X folded into the product
-            X = torch.bmm(X, B.mT, out=dst) if tall else torch.bmm(B, X, out=dst)
+            X = ops.apply(B, X, tall, dst)
         else:
             X = (
                 torch.baddbmm(X, X, B.mT, beta=a, out=dst)
@@ -289,6 +297,7 @@ def gram_iterations(
     *,
     scaling: Scaling | None = None,
     out: Tensor | None = None,
+    products: Sequence[Products] | None = None,
 ) -> Tensor:
     """The same iterations on the Gram matrix of a normalised stack ``[k, rows, cols]``.
 
@@ -301,35 +310,36 @@ def gram_iterations(
     ``restart=None`` never restarts (for the numerics study, benchmarks/gram_ns_numerics.py).
     ``scaling`` and ``out`` as in ``standard_iterations``: with ``scaling`` the first ``R`` gives the
     diagonal scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
+    ``products``: one ``ns_products.Products`` per iteration (None: torch's); a restart before
+    iteration i and the final ``Q X`` use iteration i's and the last iteration's.
     """
     tall = X.shape[-2] > X.shape[-1]
 
-    def gram(Y: Tensor) -> Tensor:
-        return torch.bmm(Y.mT, Y) if tall else torch.bmm(Y, Y.mT)
-
-    def apply(Q: Tensor, Y: Tensor, d: Tensor | None, dst: Tensor | None = None) -> Tensor:  # Q D X
-        if d is not None:
+    def apply(ops: Products, Q: Tensor, Y: Tensor, d: Tensor | None, dst: Tensor | None = None) -> Tensor:
+        if d is not None:  # Q D X
             Q = Q.mul_(d.unsqueeze(-2))
-        return torch.bmm(Y, Q.mT, out=dst) if tall else torch.bmm(Q, Y, out=dst)
+        return ops.apply(Q, Y, tall, dst)
 
     if not per_step:
         return _finish(X if scaling is None else scale_input(X, scaling), out)
-    R, Q, d = gram(X), None, None
+    ops_at = [TORCH_PRODUCTS] * len(per_step) if products is None else list(products)
+    R, Q, d = ops_at[0].gram(X, tall), None, None
     if scaling is not None:
         d = gram_scale(R, scaling).to(R.dtype)
         R.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
+        ops = ops_at[i]
         if i == restart and Q is not None:
-            X, d = apply(Q, X, d), None
-            R, Q = gram(X), None
-        P = torch.baddbmm(R, R, R, beta=b, alpha=c)
+            X, d = apply(ops, Q, X, d), None
+            R, Q = ops.gram(X, tall), None
+        P = ops.poly(R, b, c)
         P.diagonal(dim1=-2, dim2=-1).add_(a)
-        Q = P if Q is None else torch.bmm(P, Q)
+        Q = P if Q is None else ops.sym_mm(P, Q)
         if i < last and i + 1 != restart:  # the next iteration needs R; a restart rebuilds it
-            R = torch.bmm(torch.bmm(P, R), P)
+            R = ops.sym_mm(ops.sym_mm(P, R), P)
     dst = out if out is not None and not _overlaps(out, X) else None
-    return _finish(apply(Q, X, d, dst), out)
+    return _finish(apply(ops_at[last], Q, X, d, dst), out)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,45 @@
+"""The matrix products of one Newton–Schulz iteration, as an object the iterations call.
+
+``newton_schulz.standard_iterations`` and ``gram_iterations`` compute every product through a
+``Products`` per iteration, so a faster evaluation of some products (a kernel that writes only one
+triangle of a symmetric result, lower-precision operands for the early iterations) plugs in without
+touching the iteration itself. ``Products`` is torch's evaluation (cuBLAS/CPU ``bmm``): the results
+are bit for bit those of the iterations written with ``torch.bmm``/``baddbmm`` directly.
+
+Every tensor is a stack ``[k, r, c]``. "Symmetric" inputs are symmetric in exact arithmetic (Gram
+matrices and polynomials in one Gram matrix, which also commute with each other); an implementation
+may read only one triangle of them and must return a full (both triangles), contiguous result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["Products", "TORCH_PRODUCTS"]
+
+
+class Products:
+    """torch's evaluation of Newton–Schulz's products (the reference every other one is held to)."""
+
+    name = "torch"
+
+    def gram(self, Y: Tensor, tall: bool) -> Tensor:
+        """``Y Y^T`` on the wide orientation, ``Y^T Y`` for a tall ``Y``: a new symmetric ``[k, m, m]``."""
+        return torch.bmm(Y.mT, Y) if tall else torch.bmm(Y, Y.mT)
+
+    def poly(self, A: Tensor, b: float, c: float) -> Tensor:
+        """``b A + c A A`` for a symmetric ``A``: a new symmetric tensor."""
+        return torch.baddbmm(A, A, A, beta=b, alpha=c)
+
+    def sym_mm(self, P: Tensor, Q: Tensor) -> Tensor:
+        """``P Q`` for symmetric ``P`` and ``Q`` that commute (so the product is symmetric): new."""
+        return torch.bmm(P, Q)
+
+    def apply(self, B: Tensor, Y: Tensor, tall: bool, out: Tensor | None = None) -> Tensor:
+        """``B Y`` on the wide orientation, ``Y B^T`` for a tall ``Y`` (``B`` square, any), into
+        ``out`` when given."""
+        return torch.bmm(Y, B.mT, out=out) if tall else torch.bmm(B, Y, out=out)
+
+
+TORCH_PRODUCTS = Products()
