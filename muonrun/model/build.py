@@ -51,6 +51,7 @@ def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
                 f"model.name_or_path '{m.name_or_path}' cannot be used: {str(e).splitlines()[0]}"
             ) from None
         check_hf_keys(extra, type(hf), m)
+        fit_layer_types(hf, extra, m.name_or_path)
     else:
         if m.architecture not in CONFIG_MAPPING:
             raise UserError(
@@ -71,6 +72,26 @@ def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
             f"model.hf.vocab_size to at least {vocab_size}."
         )
     return hf
+
+
+def fit_layer_types(hf, extra: dict, source: str) -> None:
+    """Give a loaded config's per-layer `layer_types` the depth `model.hf.num_hidden_layers` asks for.
+
+    transformers keeps the loaded list as it is when only the depth is overridden, and the model then
+    fails to build (or silently builds with a list for another depth). A uniform list is extended or
+    cut; a mixed one (sliding-window layers at chosen depths) cannot be guessed."""
+    types = getattr(hf, "layer_types", None)
+    if "num_hidden_layers" not in extra or "layer_types" in extra or types is None:
+        return
+    if len(types) == hf.num_hidden_layers:
+        return
+    if len(set(types)) > 1:
+        raise UserError(
+            f"model.hf.num_hidden_layers={hf.num_hidden_layers} changes the depth of '{source}', whose "
+            f"{len(types)} layers mix attention types ({', '.join(sorted(set(types)))}); set "
+            "model.hf.layer_types to a list with one entry per layer as well."
+        )
+    hf.layer_types = [types[0]] * hf.num_hidden_layers
 
 
 def check_hf_keys(extra: dict, config_class: type, m: ModelConfig) -> None:

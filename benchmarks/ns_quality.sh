@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Does Muon with the current Newton–Schulz defaults train as the reference evaluation does? One GPU.
+#   bash benchmarks/ns_quality.sh OUT_DIR
+# 1. A 1.5B Qwen2 (the presets' recipe: qwen2-muon-fsdp2 with the 1.5B shape of scripts/gpu_bench.sh,
+#    byte data on the Python standard library, seq 2048, micro-batch 8), 300 steps twice: the reference
+#    evaluation (REFERENCE: unfused step, torch's products, no float8) and the defaults. Passes when
+#    the loss at every 10th step is within 1%.
+# 2. The optimizer study's Muon and NorMuon (101M, lr 0.01, seed 42, 1,000 steps) with the defaults,
+#    run side by side: passes when each final eval loss is within 0.5% of docs/data/study's.
+# Env: STEPS (300), REFERENCE (overrides of the reference run), EXTRA (overrides of every run).
+set -uo pipefail
+out=${1:?usage: ns_quality.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+here=$(cd "$(dirname "$0")/.." && pwd)
+reference=${REFERENCE:-optimizer.muon.fused=false optimizer.muon.ns_kernel=torch optimizer.muon.ns_float8_steps=0}
+extra=${EXTRA:-}
+big=(qwen2-muon-fsdp2 data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py"}]' train.eval_interval=0
+  data.seq_len=2048 train.micro_batch_size=8 model.hf.hidden_size=1536 model.hf.intermediate_size=8960
+  model.hf.num_hidden_layers=28 model.hf.num_attention_heads=12 "train.max_steps=${STEPS:-300}"
+  logging.log_interval=10 checkpoint.interval=0 checkpoint.save_at_end=false logging.console=plain)
+# shellcheck disable=SC2086
+python3 -m muonrun pretrain "${big[@]}" $reference $extra output_dir="$out/reference" >"$out/reference.log" 2>&1 \
+  || echo "ns_quality.sh: the reference run failed: $out/reference.log" >&2
+# shellcheck disable=SC2086
+python3 -m muonrun pretrain "${big[@]}" $extra output_dir="$out/defaults" >"$out/defaults.log" 2>&1 \
+  || echo "ns_quality.sh: the defaults run failed: $out/defaults.log" >&2
+for v in muon normuon; do
+  # shellcheck disable=SC2086
+  python3 -m muonrun pretrain "study-$v" optimizer.muon.lr=0.01 train.seed=42 $extra output_dir="$out/study-$v" \
+    logging.console=plain >"$out/study-$v.log" 2>&1 || echo "ns_quality.sh: study-$v failed: $out/study-$v.log" >&2 &
+done
+wait
+python3 - "$out" "$here/docs/data/study" <<'PY'
+import json, pathlib, sys
+out, ref = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+def rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def losses(run):
+    return {r["step"]: r["loss"] for r in rows(run / "metrics.jsonl") if "loss" in r and r["step"] % 10 == 0}
+def final_eval(run):
+    evals = [r["eval_loss"] for r in rows(run / "metrics.jsonl") if "eval_loss" in r]
+    return evals[-1] if evals else float("nan")
+a, b = losses(out / "reference"), losses(out / "defaults")
+common = sorted(set(a) & set(b))
+worst = max((abs(b[s] - a[s]) / a[s], s) for s in common) if common else (float("nan"), None)
+print(f"1.5B, {len(common)} logged steps: largest relative loss difference {worst[0]:.4%} at step {worst[1]}"
+      f" (limit 1%): {'pass' if worst[0] <= 0.01 else 'FAIL'}")
+for s in common[:: max(1, len(common) // 10)]:
+    print(f"  step {s:4d}  reference {a[s]:.4f}  defaults {b[s]:.4f}")
+for v in ("muon", "normuon"):
+    new, old = final_eval(out / f"study-{v}"), final_eval(ref / f"{v}-lr0.01-seed42")
+    rel = abs(new - old) / old
+    print(f"study-{v}: final eval loss {new:.4f} vs {old:.4f} in docs/data/study ({rel:.3%}, limit 0.5%):"
+          f" {'pass' if rel <= 0.005 else 'FAIL'}")
+PY
