@@ -99,18 +99,22 @@ def test_training_steps_never_wait_for_the_gpu(tmp_path, optimizer, extra):
 
 
 def test_a_loaded_config_made_shallower_or_deeper_builds_with_one_layer_type_per_layer(tmp_path):
-    from muonrun.errors import UserError
-
     from transformers import Qwen2Config
 
-    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    from muonrun.errors import UserError
+
+    base = dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300
+    )
     Qwen2Config(num_hidden_layers=4, **base).save_pretrained(tmp_path / "uniform")
     for depth in (2, 6):
         m = ModelConfig(name_or_path=str(tmp_path / "uniform"), hf={"num_hidden_layers": depth})
         hf = build_hf_config(m)
         assert hf.layer_types == ["full_attention"] * depth
         assert len(build_model(m, hf).model.layers) == depth
-    mixed = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2, **base)
+    mixed = Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2, **base
+    )
     assert len(set(mixed.layer_types)) == 2
     mixed.save_pretrained(tmp_path / "mixed")
     with pytest.raises(UserError, match="model.hf.layer_types"):
