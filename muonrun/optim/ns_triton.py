@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from muonrun.optim.ns_products import Products
+from muonrun.optim.ns_products import TRITON_MIN_SIZE, Products
 
-__all__ = ["MIN_SIZE", "TritonProducts", "sym_gram", "sym_matmul", "sym_poly"]
+__all__ = ["TritonProducts", "sym_gram", "sym_matmul", "sym_poly"]
 
 
 def _configs() -> list:
@@ -191,21 +191,14 @@ def sym_matmul(P: Tensor, Q: Tensor) -> Tensor:
     return _launch(P, Q, 1.0, 0.0, None)
 
 
-MIN_SIZE = 256
-"""Smallest symmetric result side ``m`` the kernel takes: below it a matrix is at most a few tiles
-(one or two 128-tiles per side), so skipping the lower ones saves little, while cuBLAS's batched
-kernels are tuned for such sizes; Qwen2's 128 x 896 and 256 x 1536 key/value projections (m = 128,
-256) are the only preset shapes near it and cost a few percent of Newton–Schulz's FLOPs."""
-
-
 class TritonProducts(Products):
     """``Products`` whose symmetric results (``gram``, ``poly``, ``sym_mm``) come from the upper-tile
-    kernel for CUDA bf16 stacks of side ``m >= min_size``; everything else, and ``apply`` always,
+    kernel for CUDA bf16 stacks of side ``m >= min_size`` (``ns_products.TRITON_MIN_SIZE``); everything else, and ``apply`` always,
     is torch's (the base class)."""
 
     name = "triton"
 
-    def __init__(self, min_size: int = MIN_SIZE) -> None:
+    def __init__(self, min_size: int = TRITON_MIN_SIZE) -> None:
         self.min_size = min_size
 
     def _takes(self, T: Tensor, m: int) -> bool:
