@@ -206,6 +206,17 @@ class MuonConfig:
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
     several times slower (docs/performance.md)."""
+    ns_kernel: Literal["auto", "torch", "triton"] = "auto"
+    """How Newton–Schulz's matrix products run. Three of every iteration's products (the Gram
+    matrix X X^T, the polynomial b A + c A A and, in the Gram form, the products of two Gram
+    polynomials) are symmetric: `triton` computes only their upper triangle and mirrors it (Triton
+    kernels, muonrun/optim/ns_triton.py), about 35% fewer Newton–Schulz FLOPs in the Gram form
+    (`gram_ns`) and 33% in the standard form, for bf16 matrices at least 256 on their short side
+    (smaller ones, and the product with X, stay on torch's matmuls). The results differ from torch's
+    by bf16 rounding only. It helps where Newton–Schulz is a visible part of the step (one GPU,
+    large hidden sizes; docs/performance.md). `torch` uses torch's matmuls for all products. `auto`
+    is `triton` on CUDA when triton imports, `torch` otherwise; `triton` on a CPU (or without
+    triton) falls back to torch and says so once. The first steps autotune the kernels (seconds)."""
     muon_patterns: list[str] = field(default_factory=list)
     """Parameter-name globs forced into Muon (must be 2-D)."""
     adamw_patterns: list[str] = field(default_factory=list)

@@ -89,6 +89,7 @@ from muonrun.optim.newton_schulz import (
     resolve_ns_coefficients,
     uses_gram_form,
 )
+from muonrun.optim.ns_products import NS_KERNELS, products_for
 from muonrun.optim.settings import NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
@@ -135,7 +136,11 @@ class Muon(torch.optim.Optimizer):
     - ``fused`` (default False): the momentum, Nesterov look-ahead and cast into the exchange
       buffer as one compiled pass, the decay and update as another (``muonrun.optim.fused``;
       compiled on GPUs, the same foreach ops run eagerly elsewhere): fewer passes over memory, the
-      same arithmetic up to fp32 rounding.
+      same arithmetic up to fp32 rounding;
+    - ``ns_kernel`` (default ``"torch"``): how Newton–Schulz's products are evaluated
+      (``ns_products.products_for``): ``"triton"`` computes the symmetric ones (Gram matrices and
+      their polynomials) by their upper triangle only (``ns_triton``), ``"auto"`` does where triton
+      runs (CUDA, triton installed); torch's matmuls otherwise, and for every other product.
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -182,6 +187,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         precondition: str = "frobenius",
         fused: bool = False,
+        ns_kernel: str = "torch",
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -195,6 +201,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("bucket_numel must be >= 1")
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype}")
+        if ns_kernel not in NS_KERNELS:
+            raise ValueError(f"ns_kernel must be one of {NS_KERNELS}, got {ns_kernel!r}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -215,6 +223,7 @@ class Muon(torch.optim.Optimizer):
         self.gram = bool(gram)
         self.ns_dtype = ns_dtype
         self.fused = bool(fused)
+        self.ns_kernel = ns_kernel
         self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
@@ -362,9 +371,11 @@ class Muon(torch.optim.Optimizer):
 
     def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients], **kw) -> Tensor:
         """Newton–Schulz on a stack of owned matrices (``ns_iterations``: ``scaling``, ``out``):
-        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it. Tests override it to
-        step with another evaluation."""
-        return ns_iterations(X, per_step, gram=self.gram, **kw)
+        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it, its products evaluated
+        as ``ns_kernel`` says (``ns_products.products_for``). Tests override it to step with another
+        evaluation."""
+        products = products_for(len(per_step), self.ns_kernel, X.device.type)
+        return ns_iterations(X, per_step, gram=self.gram, products=products, **kw)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz
