@@ -44,7 +44,8 @@ from muonrun.optim.newton_schulz import (  # noqa: E402
     resolve_ns_coefficients,
     uses_gram_form,
 )
-from muonrun.optim.ns_products import TORCH_PRODUCTS, products_for  # noqa: E402
+from muonrun.optim.ns_choice import products_for  # noqa: E402
+from muonrun.optim.ns_products import TORCH_PRODUCTS  # noqa: E402
 
 STEPS = 5
 

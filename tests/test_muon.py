@@ -542,7 +542,7 @@ def test_zero_newton_schulz_steps_on_one_rank_step_with_the_normalised_momentum(
 
 
 def test_dry_run_names_the_newton_schulz_settings_it_counts():
-    from muonrun.config.schema import MuonConfig
+    from muonrun.config import MuonConfig
     from muonrun.tools.plan import ns_settings
 
     assert ns_settings(MuonConfig()) == "5 iterations, default coefficients, frobenius scaling"

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonrun.optim import Muon, ns_products
+from muonrun.optim import Muon, ns_choice, ns_products
 from muonrun.optim.newton_schulz import newton_schulz_flops
-from muonrun.optim.ns_products import TORCH_PRODUCTS, TRITON_MIN_SIZE, products_for, resolve_ns_kernel
+from muonrun.optim.ns_choice import products_for, resolve_ns_kernel
+from muonrun.optim.ns_products import TORCH_PRODUCTS, TRITON_MIN_SIZE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,15 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ns_kernel_triton_falls_back_to_torchs_products_where_it_cannot_run_and_says_so_once(
     capsys, monkeypatch
 ):
-    monkeypatch.setattr(ns_products, "_said", set())
+    monkeypatch.setattr(ns_choice, "_said", set())
     assert resolve_ns_kernel("triton", "cpu") == "torch" and resolve_ns_kernel("triton", "cpu") == "torch"
     assert products_for(5, "triton", "cpu") is None and products_for(5, "auto", "cpu") is None
     assert products_for(5, "torch", "cuda") is None and resolve_ns_kernel("auto", "cpu") == "torch"
     err = capsys.readouterr().err
     assert err.count("ns_kernel=triton") == 1 and "needs CUDA, not cpu" in err and "torch's matmuls" in err
     # CUDA without triton: auto quietly, triton with a message naming why
-    monkeypatch.setattr(ns_products, "_said", set())
-    monkeypatch.setattr(ns_products, "_triton_products", lambda: None)
+    monkeypatch.setattr(ns_choice, "_said", set())
+    monkeypatch.setattr(ns_choice, "_triton_products", lambda: None)
     assert resolve_ns_kernel("auto", "cuda") == "torch" and capsys.readouterr().err == ""
     assert resolve_ns_kernel("triton", "cuda") == "torch"
     assert "triton does not import" in capsys.readouterr().err
@@ -41,17 +42,17 @@ def test_ns_kernel_picks_one_products_object_per_iteration_where_triton_runs(mon
         name = "triton"
 
     fake = Fake()
-    monkeypatch.setattr(ns_products, "_triton_products", lambda: fake)
+    monkeypatch.setattr(ns_choice, "_triton_products", lambda: fake)
     assert products_for(4, "auto", "cuda") == (fake,) * 4 and products_for(3, "triton", "cuda") == (fake,) * 3
     assert (
         products_for(4, "auto", "cpu") is None
-        and ns_products.kernel_products("torch", "cuda") is TORCH_PRODUCTS
+        and ns_choice.kernel_products("torch", "cuda") is TORCH_PRODUCTS
     )
 
 
 def test_muon_with_ns_kernel_triton_on_a_cpu_steps_exactly_as_with_torchs_products(monkeypatch):
     """The fallback is torch's evaluation itself: bit for bit the same parameters, both forms."""
-    monkeypatch.setattr(ns_products, "_said", {"triton"})  # the message is the test above's
+    monkeypatch.setattr(ns_choice, "_said", {"triton"})  # the message is the test above's
     g = torch.Generator().manual_seed(0)
     shapes = [(8, 24), (24, 8), (12, 12)]
     init = [torch.randn(s, generator=g) for s in shapes]
@@ -71,8 +72,8 @@ def test_muon_with_ns_kernel_triton_on_a_cpu_steps_exactly_as_with_torchs_produc
 
 
 def test_ns_kernel_is_a_documented_setting_that_defaults_to_auto():
+    from muonrun.config import MuonConfig
     from muonrun.config.docs import field_docs
-    from muonrun.config.schema import MuonConfig
 
     assert MuonConfig().ns_kernel == "auto"
     _, _, doc = field_docs()["optimizer.muon.ns_kernel"]

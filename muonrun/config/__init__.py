@@ -18,6 +18,7 @@ from muonrun.config.load import (
     to_yaml,
     validate,
 )
+from muonrun.config.optimizer import MuonConfig, OptimizerConfig
 from muonrun.config.schema import (
     CheckpointConfig,
     Config,
@@ -26,8 +27,6 @@ from muonrun.config.schema import (
     LoggingConfig,
     LoraSettings,
     ModelConfig,
-    MuonConfig,
-    OptimizerConfig,
     ParallelConfig,
     ScheduleConfig,
     SourceConfig,

@@ -5,6 +5,7 @@ field with a closed set of values is a `Literal` (OmegaConf refuses other values
 checks that need only their own section live in that section's `__post_init__`, which runs whenever
 OmegaConf turns a config into these objects (`load._typed`). Checks across sections, and the one
 that every float anywhere is finite (`nan` and `inf` pass a range check), are in `load.validate`.
+The optimizer sections (`optimizer`, `optimizer.muon`) are in `config.optimizer`.
 """
 
 from __future__ import annotations
@@ -12,19 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from muonrun.config.checks import at_least, not_negative
+from muonrun.config.optimizer import OptimizerConfig
 from muonrun.errors import UserError
-
-
-def _at_least(minimum: float, **values: float) -> None:
-    for key, value in values.items():
-        if value < minimum:
-            raise UserError(f"Config key '{key}' is {value}; it must be at least {minimum}.")
-
-
-def _not_negative(**values: float) -> None:
-    for key, value in values.items():
-        if value < 0:
-            raise UserError(f"Config key '{key}' is {value}; it must not be negative.")
 
 
 @dataclass
@@ -55,7 +46,7 @@ class LoraSettings:
     `*norm.weight`. Each must match a parameter. Empty: only the adapters train."""
 
     def __post_init__(self) -> None:
-        _at_least(1, **{"model.lora.rank": self.rank})
+        at_least(1, **{"model.lora.rank": self.rank})
         if self.alpha <= 0:
             raise UserError(f"Config key 'model.lora.alpha' is {self.alpha}; it must be positive.")
         if not 0.0 <= self.dropout < 1.0:
@@ -148,114 +139,7 @@ class DataConfig:
     A changed data.seq_len, micro-batch size or number of ranks is reported either way, never refused."""
 
     def __post_init__(self) -> None:
-        _at_least(1, **{"data.seq_len": self.seq_len, "data.num_proc": self.num_proc})
-
-
-@dataclass
-class MuonConfig:
-    lr: float = 0.02
-    """Learning rate of the Muon (hidden matrix) parameters; the other parameters use optimizer.lr."""
-    weight_decay: float | None = None
-    """Decoupled weight decay for the Muon parameters. None: optimizer.weight_decay."""
-    momentum: float = 0.95
-    """Momentum coefficient."""
-    nesterov: bool = True
-    """Orthogonalize the Nesterov look-ahead instead of the momentum buffer."""
-    ns_steps: int = 5
-    """Newton–Schulz iterations (at least 1)."""
-    ns_coefficients: Literal["default", "polar_express", "turbo"] = "default"
-    """`default` (3.4445, -4.7750, 2.0315) every iteration; `polar_express` (per-iteration
-    coefficients, arXiv:2505.16932: about half the default's distance to the polar factor at 5
-    iterations); or `turbo`, Turbo-Muon's 4-iteration table for `ns_precondition=aol` with
-    `ns_steps=4` (arXiv:2512.04632). A table shorter than `ns_steps` repeats its last row."""
-    gram_ns: bool = False
-    """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
-    restart: the same iteration in exact arithmetic, about 40% fewer FLOPs on MLP-shaped matrices, as
-    close to the exact polar factor in bf16 as the standard form, and the same loss curve. It pays
-    where wide MLP matrices dominate the optimizer step (docs/performance.md). On in the Muon preset;
-    off by default so that `muon` alone is torch.optim.Muon's iteration."""
-    adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
-    """LR scaling per matrix shape A x B: `original` lr*sqrt(max(1, A/B)); `match_rms_adamw`
-    lr*0.2*sqrt(max(A, B)) (reuse AdamW's lr); `spectral` lr*sqrt(A/B)."""
-    eps: float = 1e-7
-    """Added to the Frobenius norm before Newton–Schulz."""
-    variant: Literal["muon", "normuon"] = "muon"
-    """`muon`, or `normuon` (NorMuon, arXiv:2510.05491): after Newton–Schulz, each row is divided by
-    the root of an EMA of its mean square (`optimizer.muon.beta2`), then the matrix is rescaled to the
-    Frobenius norm of an orthogonal one, so `adjust_lr_fn` applies as for Muon; with `match_rms_adamw`
-    that is the paper's step 0.2 * lr * sqrt(A*B) / ||Ô||_F. Keeps one more fp32 number per matrix row."""
-    beta2: float = 0.95
-    """NorMuon's EMA coefficient for each row's second moment, in [0, 1) (unused by `muon`)."""
-    ns_precondition: Literal["frobenius", "aol"] = "frobenius"
-    """How Newton–Schulz scales its input: `frobenius` divides it by its Frobenius norm
-    (torch.optim.Muon's); `aol` scales row i by (sum_j |(X X^T)_ij|)^(-1/2) (Turbo-Muon's AOL
-    preconditioning, arXiv:2512.04632), read off the first iteration's own product. Its small
-    singular values start 1.2-3x larger, which lets Turbo-Muon's 4-iteration table
-    (`ns_coefficients=turbo`, `ns_steps=4`) stand in for 5 iterations: 20% fewer FLOPs in the
-    standard form, 11% in the Gram form (whose restart costs the same either way). It trades
-    closeness to the polar factor by spectrum: 2-3x closer on flat spectra, up to 1.7x farther on
-    steep ones (docs/performance.md, per preset shape), so it is not the default; try it where
-    Newton–Schulz dominates the step (one GPU, square matrices)."""
-    fused: bool | None = None
-    """Fewer passes over memory in Muon's step, the same arithmetic up to fp32 rounding: momentum,
-    Nesterov look-ahead and the cast into the bf16 exchange buffer as one compiled kernel, weight
-    decay and the update as another (torch.compile). Pays most on one GPU, where Muon's own
-    elementwise work is not shared across ranks; the first step compiles a few small kernels. None:
-    on for GPUs, off on CPU (`true` there runs the same ops eagerly, and says so once)."""
-    ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
-    and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
-    several times slower (docs/performance.md)."""
-    ns_kernel: Literal["auto", "torch", "triton"] = "auto"
-    """How Newton–Schulz's matrix products run. Three of every iteration's products (the Gram
-    matrix X X^T, the polynomial b A + c A A and, in the Gram form, the products of two Gram
-    polynomials) are symmetric: `triton` computes only their upper triangle and mirrors it (Triton
-    kernels, muonrun/optim/ns_triton.py), about 35% fewer Newton–Schulz FLOPs in the Gram form
-    (`gram_ns`) and 33% in the standard form, for bf16 matrices at least 256 on their short side
-    (smaller ones, and the product with X, stay on torch's matmuls). The results differ from torch's
-    by bf16 rounding only. It helps where Newton–Schulz is a visible part of the step (one GPU,
-    large hidden sizes; docs/performance.md). `torch` uses torch's matmuls for all products. `auto`
-    is `triton` on CUDA when triton imports, `torch` otherwise; `triton` on a CPU (or without
-    triton) falls back to torch and says so once. The first steps autotune the kernels (seconds)."""
-    muon_patterns: list[str] = field(default_factory=list)
-    """Parameter-name globs forced into Muon (must be 2-D)."""
-    adamw_patterns: list[str] = field(default_factory=list)
-    """Parameter-name globs forced into AdamW."""
-
-    def __post_init__(self) -> None:
-        _not_negative(**{"optimizer.muon.lr": self.lr})
-        if self.ns_steps < 1:  # zero iterations would train with unorthogonalized momentum as "Muon"
-            raise UserError(
-                f"Config key 'optimizer.muon.ns_steps' is {self.ns_steps}; Muon needs at least 1 Newton–Schulz "
-                "iteration (5 is usual)."
-            )
-        if not 0.0 <= self.beta2 < 1.0:
-            raise UserError(f"Config key 'optimizer.muon.beta2' is {self.beta2}; it must be in [0, 1).")
-
-
-@dataclass
-class OptimizerConfig:
-    name: Literal["adamw", "muon"] = "adamw"
-    """`adamw`, or `muon` (Muon for hidden matrices, AdamW for embeddings, LM head, norms and biases)."""
-    lr: float = 3e-4
-    """Peak learning rate of AdamW (with `muon`: of the embeddings, LM head, norms and biases)."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay of AdamW (norms and biases are never decayed)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    """AdamW betas."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    fused: bool | None = None
-    """Fused AdamW kernel. None: on for GPUs, off on CPU."""
-    muon: MuonConfig = field(default_factory=MuonConfig)
-    """Muon settings (used when name is `muon`)."""
-
-    def __post_init__(self) -> None:
-        _not_negative(**{"optimizer.lr": self.lr, "optimizer.weight_decay": self.weight_decay})
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise UserError(
-                f"Config key 'optimizer.betas' is {list(self.betas)}; give two numbers in [0, 1)."
-            )
+        at_least(1, **{"data.seq_len": self.seq_len, "data.num_proc": self.num_proc})
 
 
 @dataclass
@@ -270,7 +154,7 @@ class ScheduleConfig:
     """`wsd` only: fraction of train.max_steps spent in the final linear decay."""
 
     def __post_init__(self) -> None:
-        _not_negative(**{"schedule.warmup_steps": self.warmup_steps})
+        not_negative(**{"schedule.warmup_steps": self.warmup_steps})
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UserError(
                 f"Config key 'schedule.min_lr_ratio' is {self.min_lr_ratio}; it must be in [0, 1]."
@@ -366,7 +250,7 @@ class TrainConfig:
     """QK-clip (off by default): `train.qk_clip.tau`."""
 
     def __post_init__(self) -> None:
-        _at_least(
+        at_least(
             1,
             **{
                 "train.max_steps": self.max_steps,
@@ -374,9 +258,9 @@ class TrainConfig:
                 "train.grad_accum_steps": self.grad_accum_steps,
             },
         )
-        _not_negative(**{"train.grad_clip": self.grad_clip, "train.eval_interval": self.eval_interval})
+        not_negative(**{"train.grad_clip": self.grad_clip, "train.eval_interval": self.eval_interval})
         if self.router_aux_loss_coef is not None:
-            _not_negative(**{"train.router_aux_loss_coef": self.router_aux_loss_coef})
+            not_negative(**{"train.router_aux_loss_coef": self.router_aux_loss_coef})
 
 
 @dataclass
@@ -400,7 +284,7 @@ class CheckpointConfig:
     replacing the run's earlier export there once the new one is complete."""
 
     def __post_init__(self) -> None:
-        _not_negative(**{"checkpoint.interval": self.interval})
+        not_negative(**{"checkpoint.interval": self.interval})
         if self.keep_last < 2:
             raise UserError(f"Config key 'checkpoint.keep_last' is {self.keep_last}; keep at least 2.")
         if self.export_at_end and not self.save_at_end:
@@ -444,7 +328,7 @@ class LoggingConfig:
     trace.json.gz and timeline.txt (GPU busy/idle/communication per step and per phase)."""
 
     def __post_init__(self) -> None:
-        _at_least(1, **{"logging.log_interval": self.log_interval})
+        at_least(1, **{"logging.log_interval": self.log_interval})
 
 
 @dataclass
@@ -471,9 +355,9 @@ class LaunchConfig:
     """Process-group backend: `auto` (nccl on GPU, gloo on CPU), `nccl` or `gloo`."""
 
     def __post_init__(self) -> None:
-        _at_least(1, **{"launch.nnodes": self.nnodes})
+        at_least(1, **{"launch.nnodes": self.nnodes})
         if self.nproc_per_node is not None:
-            _at_least(1, **{"launch.nproc_per_node": self.nproc_per_node})
+            at_least(1, **{"launch.nproc_per_node": self.nproc_per_node})
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(
                 f"Config key 'launch.node_rank' is {self.node_rank}; it must be in 0..{self.nnodes - 1} "

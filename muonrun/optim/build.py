@@ -18,7 +18,7 @@ from muonrun.optim.experts import matrices_per_expert
 from muonrun.optim.groups import split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
-from muonrun.optim.ns_products import resolve_ns_kernel
+from muonrun.optim.ns_choice import resolve_ns_kernel
 
 
 def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> AdamW:

@@ -89,7 +89,7 @@ from muonrun.optim.newton_schulz import (
     resolve_ns_coefficients,
     uses_gram_form,
 )
-from muonrun.optim.ns_products import NS_KERNELS, products_for
+from muonrun.optim.ns_choice import NS_KERNELS, products_for
 from muonrun.optim.settings import NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
