@@ -138,8 +138,9 @@ def attach(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def update_biases(found: list[nn.Module], rate: float) -> None:
-    """One bias step from the counts of the step just taken (summed over ranks), then zero counts."""
+def update_biases(found: list[nn.Module], rate: float) -> Tensor:
+    """One bias step from the counts of the step just taken (summed over ranks), then zero counts.
+    Returns those counts, [layers, E]."""
     counts = torch.stack([getattr(r, COUNTS) for r in found])  # [layers, E]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
@@ -147,6 +148,7 @@ def update_biases(found: list[nn.Module], rate: float) -> None:
     for router, delta in zip(found, step, strict=True):
         getattr(router, BIAS).add_(delta)
         getattr(router, COUNTS).zero_()
+    return counts
 
 
 class RouterBias(Feature):
@@ -167,14 +169,24 @@ class RouterBias(Feature):
 
     def start(self, model: nn.Module, device: torch.device) -> None:
         self.routers = routers(model)
+        self.counts = torch.zeros(len(self.routers), self.routers[0].weight.shape[0], device=device)
 
     def after_step(self) -> None:
-        update_biases(self.routers, self.cfg.train.router_bias_update_rate)
+        self.counts = update_biases(self.routers, self.cfg.train.router_bias_update_rate)
 
     def telemetry(self) -> dict[str, Tensor]:
-        """The largest bias magnitude over all routers (`router_bias_max`): how far balancing has had to
-        push the routers' own preference."""
-        return {"router_bias_max": torch.stack([getattr(r, BIAS).abs().max() for r in self.routers]).max()}
+        """The load as trained, from the last step's counts over every rank and micro-batch:
+        `routed_load_max_mean_<i>` per MoE layer (busiest expert over the mean, as
+        `expert_load_max_mean`, which is the router's own top-k without the bias) and the worst layer's
+        unsuffixed; `router_bias_max`, the largest bias magnitude: how far balancing has had to push
+        the routers' own preference."""
+        ratio = self.counts.max(dim=-1).values / self.counts.mean(dim=-1).clamp(min=1e-30)
+        values = {f"routed_load_max_mean_{i}": r for i, r in enumerate(ratio)}
+        return {
+            "routed_load_max_mean": ratio.max(),
+            "router_bias_max": torch.stack([getattr(r, BIAS).abs().max() for r in self.routers]).max(),
+            **values,
+        }
 
     def plan_rows(self, model: nn.Module) -> list[tuple[str, str]]:
         rate = self.cfg.train.router_bias_update_rate
