@@ -169,6 +169,7 @@ SMALL = [
     "logging.console=plain",
     "train.max_steps=4",
     "checkpoint.interval=2",
+    "train.router_bias_update_rate=0.01",  # the bias rides along: resumed, resharded, exported apart
 ]
 
 
@@ -198,6 +199,12 @@ def test_tiny_moe_resumes_exactly_reshards_and_exports_a_model_transformers_gene
     text = muonrun("pretrain", "tiny-moe", f"output_dir={cut}", *SMALL)
     assert "resumed" in text
     assert [r["loss"] for r in rows(cut) if "loss" in r and r["step"] > 2] == [r["loss"] for r in train[2:]]
+    from muonrun.checkpoint.safe import load_model_tensors
+
+    bias = {k: v for k, v in load_model_tensors(full / "checkpoints" / "step-4").items() if k.endswith(BIAS)}
+    again = load_model_tensors(cut / "checkpoints" / "step-4")
+    assert len(bias) == 4 and all(v.abs().sum() > 0 for v in bias.values())
+    assert all(torch.equal(v, again[k]) for k, v in bias.items())  # bitwise after the resume
     # resharded: the 2-worker checkpoint of step 2 resumed by 1 worker
     one = tmp_path / "one"
     text = muonrun(
@@ -209,6 +216,8 @@ def test_tiny_moe_resumes_exactly_reshards_and_exports_a_model_transformers_gene
     # the export loads with transformers alone and generates
     from transformers import AutoModelForCausalLM
 
+    assert (full / "hf" / "router_expert_bias.safetensors").exists()
+    assert "router_expert_bias.safetensors" in (full / "hf" / "README.md").read_text()
     hf = AutoModelForCausalLM.from_pretrained(full / "hf")
     assert hf.config.model_type == "qwen2_moe" and hf.config.num_experts == 6
     out = hf.generate(torch.tensor([[10, 20, 30]]), max_new_tokens=5, do_sample=False)
