@@ -17,8 +17,10 @@ from helpers import run_workers
 from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
 
 from muonrun.config import ModelConfig
+from muonrun.errors import UserError
+from muonrun.features.router_bias import BIAS, COUNTS, RouterBias, attach, routers, update_biases
 from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
-from muonrun.model.moe import active_matmul_params, expert_load
+from muonrun.model.moe import active_matmul_params, expert_load, load_balancing_loss
 from muonrun.optim import split_params
 
 MOE = {
@@ -36,12 +38,15 @@ MOE = {
 }
 
 
-def moe_model(coef: float | None = 0.01, seed: int = 0) -> CausalLMWithLoss:
+def moe_model(coef: float | None = 0.01, seed: int = 0, bias: bool = False) -> CausalLMWithLoss:
     m = ModelConfig(architecture="qwen2_moe", hf=dict(MOE))
     hf = build_hf_config(m)
-    model = CausalLMWithLoss(build_model(m, hf), loss_chunk_tokens=0, router_aux_loss_coef=coef)
+    lm = build_model(m, hf)
+    if bias:
+        attach(lm)
+    model = CausalLMWithLoss(lm, loss_chunk_tokens=0, router_aux_loss_coef=coef)
     model.to_empty(device="cpu")
-    init_weights(model, 0.02, seed, torch.device("cpu"))
+    init_weights(model, 0.02, seed, torch.device("cpu"), [RouterBias(None)] if bias else [])
     return model
 
 
@@ -65,7 +70,7 @@ def test_the_loss_is_the_lm_loss_and_its_gradient_adds_the_router_balance():
     loss = with_aux(ids, ids)
     assert torch.equal(loss.detach(), without(ids, ids).detach())  # same value: the LM loss
     out = with_aux.lm.base_model(input_ids=ids, use_cache=False, output_router_logits=True)
-    aux = load_balancing_loss_func(out.router_logits, 5, 2)
+    aux = torch.stack([load_balancing_loss_func((x,), 5, 2) for x in out.router_logits]).mean()  # per layer
     loss.backward()
     without(ids, ids).backward()
     router = [m.lm.model.layers[0].mlp.gate.weight.grad for m in (with_aux, without)]
@@ -77,6 +82,34 @@ def test_the_loss_is_the_lm_loss_and_its_gradient_adds_the_router_balance():
     with torch.no_grad():
         with_aux(ids, ids)
     assert with_aux.moe_telemetry() == {}  # evaluation: no aux loss, no statistics
+
+
+def test_the_balance_loss_is_per_layer_so_layers_crowding_onto_different_experts_are_seen():
+    """Layer 0 sends every token to experts {0, 1}, layer 1 to {2, 3}: pooled over layers (transformers'
+    function) they look nearly balanced; per layer each is far from its balanced value k = 2."""
+    hf = build_hf_config(ModelConfig(architecture="qwen2_moe", hf=dict(MOE)))
+    noise = torch.randn(64, 5, generator=torch.Generator().manual_seed(0)) * 0.1
+    crowd = [noise + torch.tensor([3.0, 3.0, 0.0, 0.0, 0.0]), noise + torch.tensor([0.0, 0.0, 3.0, 3.0, 0.0])]
+    pooled = load_balancing_loss_func(tuple(crowd), 5, 2).item()
+    per_layer = load_balancing_loss(tuple(crowd), hf).item()
+    each = [load_balancing_loss_func((x,), 5, 2).item() for x in crowd]  # transformers' on one layer
+    assert per_layer == pytest.approx(sum(each) / 2, rel=1e-5)
+    assert per_layer > 1.5 * pooled and per_layer > 4.0, (per_layer, pooled)
+    even = load_balancing_loss((torch.zeros(10, 5).index_fill_(1, torch.tensor([0, 1]), 0.0),), hf)
+    assert even.item() == pytest.approx(2 * 5 * 0.2)  # ties: experts 0, 1 chosen, uniform probabilities
+
+
+def test_router_z_loss_trains_and_is_logged_apart():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    model = moe_model(coef=0.0)
+    model.router_z_loss_coef = 0.5
+    loss = model(ids, ids)
+    out = model.lm.base_model(input_ids=ids, use_cache=False, output_router_logits=True)
+    z = torch.stack([torch.logsumexp(x, -1).square().mean() for x in out.router_logits]).mean()
+    assert torch.equal(loss.detach(), moe_model(coef=0.0)(ids, ids).detach())
+    assert torch.allclose(model.moe_telemetry()["z_loss"], z.detach())
+    loss.backward()
+    assert model.lm.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0  # the z-loss reaches the router
 
 
 def test_expert_load_reports_the_busiest_expert_and_router_entropy():
@@ -117,11 +150,13 @@ def test_experts_go_to_muon_as_stacks_and_routers_and_gates_to_adamw():
 def test_muon_on_experts_matches_torch_muon_per_expert_matrix():
     """One 3-rank gloo launch: 2, 3, 4 and 5 experts (a rank with none, even, uneven), Muon against
     torch.optim.Muon per expert matrix (gate and up apart), fp32 and NorMuon against our Muon on the
-    separate matrices, no all-to-all, NorMuon's v sharded like the experts."""
+    separate matrices, no all-to-all, NorMuon's v sharded like the experts; the router bias the same on
+    every rank after its update."""
 
     out = run_workers(Path(__file__).parent / "dist" / "moe_worker.py", 3, timeout=600)
     assert "MOE_WORKER_OK" in out, out
     assert out.count("worst relative difference") == 5, out
+    assert "router bias equal on every rank" in out, out
 
 
 # -- tiny-moe end to end --------------------------------------------------------------------------------
@@ -134,6 +169,7 @@ SMALL = [
     "logging.console=plain",
     "train.max_steps=4",
     "checkpoint.interval=2",
+    "train.router_bias_update_rate=0.01",  # the bias rides along: resumed, resharded, exported apart
 ]
 
 
@@ -163,6 +199,12 @@ def test_tiny_moe_resumes_exactly_reshards_and_exports_a_model_transformers_gene
     text = muonrun("pretrain", "tiny-moe", f"output_dir={cut}", *SMALL)
     assert "resumed" in text
     assert [r["loss"] for r in rows(cut) if "loss" in r and r["step"] > 2] == [r["loss"] for r in train[2:]]
+    from muonrun.checkpoint.safe import load_model_tensors
+
+    bias = {k: v for k, v in load_model_tensors(full / "checkpoints" / "step-4").items() if k.endswith(BIAS)}
+    again = load_model_tensors(cut / "checkpoints" / "step-4")
+    assert len(bias) == 4 and all(v.abs().sum() > 0 for v in bias.values())
+    assert all(torch.equal(v, again[k]) for k, v in bias.items())  # bitwise after the resume
     # resharded: the 2-worker checkpoint of step 2 resumed by 1 worker
     one = tmp_path / "one"
     text = muonrun(
@@ -174,6 +216,8 @@ def test_tiny_moe_resumes_exactly_reshards_and_exports_a_model_transformers_gene
     # the export loads with transformers alone and generates
     from transformers import AutoModelForCausalLM
 
+    assert (full / "hf" / "router_expert_bias.safetensors").exists()
+    assert "router_expert_bias.safetensors" in (full / "hf" / "README.md").read_text()
     hf = AutoModelForCausalLM.from_pretrained(full / "hf")
     assert hf.config.model_type == "qwen2_moe" and hf.config.num_experts == 6
     out = hf.generate(torch.tensor([[10, 20, 30]]), max_new_tokens=5, do_sample=False)
@@ -293,3 +337,73 @@ def test_a_router_that_is_a_linear_stays_on_adamw():
     names = split_params(model).names()
     assert "lm.model.layers.0.mlp.gate.weight" in names["other"]
     assert "lm.model.layers.0.mlp.gate.weight" not in names["muon"]
+
+
+# -- auxiliary-loss-free balancing: the router bias ----------------------------------------------------------
+
+
+def test_the_router_bias_changes_which_experts_run_but_not_their_gate_weights():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(4))
+    plain, biased = moe_model(), moe_model(bias=True)
+    seen: dict[str, list] = {"plain": [], "biased": []}
+    for key, m in (("plain", plain), ("biased", biased)):
+        m.lm.model.layers[0].mlp.gate.register_forward_hook(
+            lambda mod, a, out, key=key: seen[key].append(out)
+        )
+    with torch.no_grad():
+        assert torch.equal(plain(ids, ids), biased(ids, ids))  # zero bias: the router's own choice
+        getattr(biased.lm.model.layers[0].mlp.gate, BIAS)[4] = 1.0  # expert 4 into every token's top 2
+        assert not torch.equal(plain(ids, ids), biased(ids, ids))
+    logits, weights, chosen = seen["biased"][-1]
+    assert (chosen == 4).any(-1).all()
+    probs = torch.softmax(logits.float(), -1)
+    assert torch.allclose(weights, probs.gather(-1, chosen))  # the gate: the unbiased probabilities
+    assert not torch.equal(chosen, seen["plain"][-1][2])
+
+
+def test_the_bias_moves_each_expert_by_the_rate_against_its_load_counted_once_per_forward():
+    from muonrun.model.build import decoder_layers
+    from muonrun.model.parallelize import apply_compile_and_checkpointing
+
+    model = moe_model(bias=True)
+    apply_compile_and_checkpointing(decoder_layers(model), "full", False)  # recompute runs the routers again
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    model(ids, ids).backward()
+    with torch.no_grad():
+        model(ids, ids)  # evaluation: not counted
+    found = routers(model)
+    counts = [getattr(r, COUNTS).clone() for r in found]
+    assert all(c.sum().item() == 2 * 16 * 2 for c in counts), counts  # tokens x top-k, once each
+    update_biases(found, 0.25)
+    for r, c in zip(found, counts, strict=True):
+        expected = 0.25 * torch.sign(c.mean() - c)
+        assert torch.equal(getattr(r, BIAS), expected) and not getattr(r, COUNTS).any()
+    assert {k for k in model.state_dict() if k.endswith(BIAS)} == {
+        f"lm.model.layers.{i}.mlp.gate.{BIAS}" for i in range(2)
+    }  # model state: checkpointed with the weights
+
+
+def test_a_renormalising_router_is_followed_and_other_routers_or_dense_models_are_refused():
+    class MixtralLikeRouter(torch.nn.Module):  # gate weights renormalised over the chosen experts
+        def __init__(self, sigmoid: bool = False):
+            super().__init__()
+            self.weight, self.top_k, self.sigmoid = torch.nn.Parameter(torch.randn(5, 32)), 2, sigmoid
+
+        def forward(self, x):
+            logits = x @ self.weight.T
+            scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, -1)
+            top, idx = scores.topk(2, -1)
+            return logits, top / top.sum(-1, keepdim=True), idx
+
+    m = ModelConfig(architecture="qwen2_moe", hf=dict(MOE))
+    lm = build_model(m, build_hf_config(m))
+    for layer in lm.model.layers:
+        with torch.device("meta"):
+            layer.mlp.gate = MixtralLikeRouter()
+    assert all(r.muonrun_renormalise for r in attach(lm))
+    lm.model.layers[1].mlp.gate = MixtralLikeRouter(sigmoid=True)
+    with pytest.raises(UserError, match="train.router_bias_update_rate.*MixtralLikeRouter"):
+        attach(lm)
+    dense = ModelConfig(architecture="qwen2", hf={k: MOE[k] for k in list(MOE)[:6]})
+    with pytest.raises(UserError, match="train.router_bias_update_rate.*has none"):
+        attach(build_model(dense, build_hf_config(dense)))

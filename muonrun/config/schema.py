@@ -245,7 +245,28 @@ class TrainConfig:
     router_aux_loss_coef: float | None = None
     """Mixture-of-experts models: weight of the router's load-balancing loss added to the LM loss
     (logged apart as `aux_loss`; the logged `loss` is the LM loss). null: the model config's own
-    `router_aux_loss_coef` (0.001 for Qwen2-MoE); 0: no balancing. Dense models ignore it."""
+    `router_aux_loss_coef` (0.001 for Qwen2-MoE); 0: no balancing. Dense models ignore it. The loss is
+    the Switch Transformer's per MoE layer, averaged over layers (k, the experts per token, when
+    balanced); it weighs each expert's share of the tokens by its mean router probability, so it sees
+    crowding late, once the router is confident (docs/moe.md, "Balancing the experts")."""
+    router_z_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of the router z-loss (ST-MoE, arXiv:2202.08906: the mean squared
+    logsumexp of each token's router logits, averaged over MoE layers; ST-MoE uses 0.001), added to the
+    LM loss and logged as `z_loss`. It keeps router logits small, which keeps training stable; it does not
+    balance the experts. 0: off."""
+    router_bias_update_rate: float = 0.0
+    """Mixture-of-experts models: auxiliary-loss-free balancing (DeepSeek-V3, arXiv:2408.15437 §2.1.2).
+    Each router gets a per-expert bias b, added to the router's probabilities for choosing the top-k
+    experts only; the gate weights that scale the chosen experts' outputs stay the router's own
+    probabilities. After every optimizer step, b_e moves by rate * sign(mean load - load_e), the loads
+    being the step's top-k assignment counts summed over all ranks and micro-batches, so b is the same on
+    every rank. The bias is model state: checkpointed, resumed and resharded with the weights; the
+    Hugging Face export leaves it out (transformers' routers have none) and writes it beside the weights
+    as `router_expert_bias.safetensors`, so the exported model routes by the router alone (docs/moe.md).
+    DeepSeek-V3 uses 0.001 on sigmoid scores; softmax probabilities over few experts need more (`tiny-moe`
+    uses 0.01). 0: off. Needs a router module with a `weight` [E, H] that returns (logits, gate
+    weights, expert indices) from a softmax top-k, as transformers' Qwen2-MoE, Qwen3-MoE, Mixtral and
+    OLMoE routers do."""
     qk_clip: QKClipConfig = field(default_factory=QKClipConfig)
     """QK-clip (off by default): `train.qk_clip.tau`."""
 
@@ -261,6 +282,12 @@ class TrainConfig:
         not_negative(**{"train.grad_clip": self.grad_clip, "train.eval_interval": self.eval_interval})
         if self.router_aux_loss_coef is not None:
             not_negative(**{"train.router_aux_loss_coef": self.router_aux_loss_coef})
+        not_negative(
+            **{
+                "train.router_z_loss_coef": self.router_z_loss_coef,
+                "train.router_bias_update_rate": self.router_bias_update_rate,
+            }
+        )
 
 
 @dataclass

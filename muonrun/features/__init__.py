@@ -9,7 +9,7 @@ does nothing, so a feature overrides only what it changes:
     adapt(model)                       on the meta model, right after it is built (every build: the dry
                                        run, the launcher's check, the worker, the export), e.g. LoRA adapters
     convert(model)                     in the worker, before compile and fully_shard, e.g. float8 matmuls
-    init_parameter(name, shape, ...)   its own parameters' initial values
+    init_parameter(name, shape, ...)   its own parameters' and buffers' initial values
     pretrained_name(name)              a parameter's name in Hugging Face weight files (None: not there)
     flops_per_token(fpt, model)        the training FLOPs per token with the feature on
     identity(d)                        what a checkpoint only makes sense on top of (refused otherwise)
@@ -19,7 +19,7 @@ does nothing, so a feature overrides only what it changes:
     plan_rows(model)                   rows of the dry-run plan
     export(job)                        the Hugging Face export: return tensors to write, or write it all
 
-Adding a fourth feature touches only its module, its `REGISTRY` line and, if it has settings, its
+Adding another feature touches only its module, its `REGISTRY` line and, if it has settings, its
 section of muonrun/config/schema.py.
 """
 
@@ -41,8 +41,9 @@ def _registry() -> dict[str, type[Feature]]:
     from muonrun.features.float8 import Float8
     from muonrun.features.lora import LoRA
     from muonrun.features.qkclip import MaxLogit
+    from muonrun.features.router_bias import RouterBias
 
-    return {"lora": LoRA, "float8": Float8, "qk_clip": MaxLogit}
+    return {"lora": LoRA, "float8": Float8, "qk_clip": MaxLogit, "router_bias": RouterBias}
 
 
 REGISTRY: dict[str, type[Feature]] = _registry()

@@ -68,7 +68,8 @@ class Feature:
     def init_parameter(
         self, name: str, shape: torch.Size, generator: torch.Generator, device: torch.device
     ) -> torch.Tensor | None:
-        """The initial value of a parameter this feature owns, or None."""
+        """The initial value of a parameter or buffer this feature owns, or None (a buffer's call has
+        no generator)."""
         return None
 
     def pretrained_name(self, name: str) -> str | None:

@@ -23,6 +23,7 @@ from muonrun.model.moe import (
     is_moe,
     is_router_module,
     load_balancing_loss,
+    router_z_loss,
 )
 from muonrun.optim.experts import is_experts_module
 
@@ -230,7 +231,8 @@ def init_weights(
     so the weights are identical at any world size. A feature's own parameters (LoRA's A and B) as
     the feature says; Linear and embedding weights ~ N(0, std) (and so are an MoE's routers and stacked
     experts [E, out, in]: every expert's matrix ~ N(0, std)), biases 0, norm (1-D) weights 1.
-    Buffers (rotary `inv_freq`) are rebuilt from the module's config.
+    A feature's own buffers as the feature says; other buffers (rotary `inv_freq`) are rebuilt from the
+    module's config.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -254,7 +256,17 @@ def init_weights(
                 param.to_local().copy_(local.to_local())
             else:
                 param.copy_(full)
-        buffers = dict(module.named_buffers(recurse=False))
+        buffers = {}
+        for b_name, buf in module.named_buffers(recurse=False):  # a feature's own buffers first
+            name = f"{mod_name}.{b_name}"
+            value = next(
+                (v for f in features if (v := f.init_parameter(name, buf.shape, None, device)) is not None),
+                None,
+            )
+            if value is None:
+                buffers[b_name] = buf
+            else:
+                buf.copy_(value.to(buf.device, buf.dtype))
         if buffers:
             assert hasattr(module, "config"), (
                 f"no rule to initialise the buffers of {mod_name}: {list(buffers)}"
@@ -274,7 +286,8 @@ class CausalLMWithLoss(nn.Module):
     load-balancing loss times the coefficient to what backward sees; the value returned stays the LM
     loss (the aux term enters as `c * aux - (c * aux).detach()`, exactly 0 in value), so the logged and
     evaluated loss is comparable with a dense model's. The aux loss itself is summed on the device
-    for logging (`moe_telemetry`), and while `watch_experts` is set each forward keeps the expert
+    for logging (`moe_telemetry`); likewise the router z-loss times `router_z_loss_coef` when that is
+    positive (logged as `z_loss`). While `watch_experts` is set each forward keeps the expert
     load statistics of its router logits. A dense model runs the plain path."""
 
     def __init__(
@@ -283,14 +296,17 @@ class CausalLMWithLoss(nn.Module):
         loss_chunk_tokens: int = 4096,
         compile_loss: bool = False,
         router_aux_loss_coef: float | None = None,
+        router_z_loss_coef: float = 0.0,
     ):
         super().__init__()
         self.lm = lm
         self.loss_chunk_tokens = loss_chunk_tokens
         self.compile_loss = compile_loss
         self.router_aux_loss_coef = router_aux_loss_coef if is_moe(lm.config) else None
+        self.router_z_loss_coef = router_z_loss_coef
         self.watch_experts = False
         self._aux_sum: torch.Tensor | None = None
+        self._z_sum: torch.Tensor | None = None
         self._aux_count = 0
         self._expert_load: dict[str, torch.Tensor] = {}
         head = lm.get_output_embeddings()
@@ -316,6 +332,10 @@ class CausalLMWithLoss(nn.Module):
         if self.watch_experts:
             self._expert_load = expert_load(out.router_logits, experts_per_token(self.lm.config))
         scaled = self.router_aux_loss_coef * aux
+        if self.router_z_loss_coef > 0:
+            z = router_z_loss(out.router_logits)
+            self._z_sum = z.detach() if self._z_sum is None else self._z_sum + z.detach()
+            scaled = scaled + self.router_z_loss_coef * z
         return loss + (scaled - scaled.detach())
 
     def _lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -327,12 +347,14 @@ class CausalLMWithLoss(nn.Module):
 
     def moe_telemetry(self) -> dict[str, torch.Tensor]:
         """Since the last call (0-d device tensors, per rank): `aux_loss`, the mean load-balancing loss
-        of the training forwards, and the expert load of the last watched one (`expert_load`); then a
-        new window. Empty for a dense model."""
+        of the training forwards (and `z_loss`, the mean router z-loss, when it trains), and the expert
+        load of the last watched one (`expert_load`); then a new window. Empty for a dense model."""
         if self.router_aux_loss_coef is None or self._aux_sum is None:
             return {}
         values = {"aux_loss": self._aux_sum / self._aux_count, **self._expert_load}
-        self._aux_sum, self._aux_count, self._expert_load = None, 0, {}
+        if self._z_sum is not None:
+            values["z_loss"] = self._z_sum / self._aux_count
+        self._aux_sum, self._z_sum, self._aux_count, self._expert_load = None, None, 0, {}
         return values
 
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts models (transformers' Qwen2-MoE and its kin): which parameters are stacked
-experts and routers, the router's load-balancing loss, expert-load statistics and active parameters.
+experts and routers, the router's load-balancing and z losses, expert-load statistics and active parameters.
 
 transformers keeps every layer's experts as stacked parameters of one `*Experts` module:
 `gate_up_proj` [E, 2I, H] (gate and up fused along dim 1, split by `chunk(2, dim=-1)` of the output)
@@ -42,10 +42,25 @@ def router_aux_loss_coef(cfg, hf_config) -> float | None:
 
 
 def load_balancing_loss(router_logits: tuple[Tensor, ...], hf_config) -> Tensor:
-    """transformers' Switch-Transformer load-balancing loss over every MoE layer's router logits."""
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    """The Switch-Transformer load-balancing loss of each MoE layer, averaged over layers:
+    E * sum_e f_e * P_e, with f_e the share of the layer's tokens whose top k holds expert e (summing
+    to k) and P_e its mean router probability; k when balanced. Per layer, as in the Switch
+    Transformer: transformers' `load_balancing_loss_func` pools the counts and probabilities of all
+    layers first, so layers that crowd onto different experts look balanced together."""
+    e, k = num_experts(hf_config), experts_per_token(hf_config)
+    losses = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = probs.topk(k, dim=-1).indices.reshape(-1).float()
+        share = torch.histc(chosen, bins=e, min=0, max=e) / probs.shape[0]  # no host sync
+        losses.append(e * (share * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
 
-    return load_balancing_loss_func(router_logits, num_experts(hf_config), experts_per_token(hf_config))
+
+def router_z_loss(router_logits: tuple[Tensor, ...]) -> Tensor:
+    """ST-MoE's router z-loss (arXiv:2202.08906, eq. 5) averaged over MoE layers: the mean over tokens
+    of logsumexp(router logits)^2. It keeps the router logits small, where softmax stays sensitive."""
+    return torch.stack([torch.logsumexp(x.float(), dim=-1).square().mean() for x in router_logits]).mean()
 
 
 @torch.no_grad()

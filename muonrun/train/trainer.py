@@ -93,6 +93,7 @@ class Trainer:
             cfg.train.loss_chunk_tokens,
             cfg.parallel.compile_loss,
             router_aux_loss_coef(cfg, self.hf_config),
+            cfg.train.router_z_loss_coef,
         )
         parallelize(self.model, self.dist.mesh, cfg.parallel, device_type, self.features)
         self.model.to_empty(device=self.dist.device)

@@ -122,6 +122,44 @@ def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_dec
     return worst
 
 
+def router_bias_is_the_same_on_every_rank(mesh) -> None:
+    """A sharded Qwen2-MoE with the router bias, each rank its own tokens over two micro-batches: after
+    the update every rank holds the same bias, the step the summed counts of all ranks call for."""
+    from muonrun.config import ModelConfig
+    from muonrun.features.router_bias import BIAS, COUNTS, RouterBias, attach, routers, update_biases
+    from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
+
+    hf = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16,
+              shared_expert_intermediate_size=48)  # fmt: skip
+    m = ModelConfig(architecture="qwen2_moe", hf=hf)
+    lm = build_model(m, build_hf_config(m))
+    attach(lm)
+    model = CausalLMWithLoss(lm, 0, router_aux_loss_coef=0.01)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    init_weights(model, 0.02, 0, torch.device("cpu"), [RouterBias(None)])
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())  # every rank its own data
+    for _ in range(2):
+        ids = torch.randint(0, 64, (2, 16), generator=gen)
+        model(ids, ids).backward()
+    found = routers(model)
+    local = torch.stack([getattr(r, COUNTS) for r in found])
+    everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, local)
+    assert not all(torch.equal(everyone[0], c) for c in everyone[1:]), "ranks saw the same routing"
+    total = torch.stack(everyone).sum(0)
+    assert torch.all(total.sum(-1) == dist.get_world_size() * 2 * 2 * 16 * 2)  # ranks x micro x tokens x k
+    update_biases(found, 0.01)
+    bias = torch.stack([getattr(r, BIAS) for r in found])
+    assert torch.equal(bias, 0.01 * torch.sign(total.mean(-1, keepdim=True) - total))
+    biases = [torch.empty_like(bias) for _ in range(dist.get_world_size())]
+    dist.all_gather(biases, bias)
+    assert all(torch.equal(biases[0], b) for b in biases[1:]), biases
+    if dist.get_rank() == 0:
+        print("router bias equal on every rank", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -173,6 +211,7 @@ def main() -> None:
         v = nor.state[p]["second_moment"]
         assert tuple(v.shape) == tuple(p.shape[:2]) and v.placements == p.placements, (v.shape, v.placements)
         assert v.to_local().shape[0] == p.to_local().shape[0]
+    router_bias_is_the_same_on_every_rank(mesh)
     rank = dist.get_rank()
     destroy()
     release_process_groups()
