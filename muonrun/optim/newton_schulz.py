@@ -282,11 +282,7 @@ def standard_iterations(
                 B.mul_(d.unsqueeze(-2))  # (B' + a I) D: the scale of X folded into the product
             X = ops.apply(B, X, tall, dst)
         else:
-            X = (
-                torch.baddbmm(X, X, B.mT, beta=a, out=dst)
-                if tall
-                else torch.baddbmm(X, B, X, beta=a, out=dst)
-            )
+            X = ops.apply_add(B, X, a, tall, dst)
     return _finish(X, out)
 
 

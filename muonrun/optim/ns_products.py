@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["Products", "TORCH_PRODUCTS"]
+__all__ = ["Products", "TORCH_PRODUCTS", "products_for"]
 
 
 class Products:
@@ -41,5 +41,32 @@ class Products:
         ``out`` when given."""
         return torch.bmm(Y, B.mT, out=out) if tall else torch.bmm(B, Y, out=out)
 
+    def apply_add(self, B: Tensor, Y: Tensor, a: float, tall: bool, out: Tensor | None = None) -> Tensor:
+        """``a Y + B Y`` on the wide orientation, ``a Y + Y B^T`` for a tall ``Y``, into ``out`` when
+        given (torch.optim.Muon's ``baddbmm``)."""
+        return torch.baddbmm(Y, Y, B.mT, beta=a, out=out) if tall else torch.baddbmm(Y, B, Y, beta=a, out=out)
+
 
 TORCH_PRODUCTS = Products()
+
+
+def products_for(
+    steps: int, kernel: str = "torch", float8_steps: int = 0, device: torch.device | None = None
+) -> tuple[Products, ...] | None:
+    """How each of ``steps`` Newton–Schulz iterations evaluates its products, for ``ns_iterations``'s
+    ``products`` (None: torch's for every iteration). ``float8_steps``: the first that many iterations
+    with e4m3 operands (``ns_float8.Float8Products``, one instance shared by them) where ``device``
+    has float8 matmuls; on a device without them torch's, and that is said once."""
+    if kernel != "torch":
+        raise ValueError(f"unknown Newton–Schulz kernel {kernel!r}; expected 'torch'")
+    if not 0 <= float8_steps <= steps:
+        raise ValueError(f"float8_steps must be in [0, {steps}] (the iterations), got {float8_steps}")
+    if float8_steps == 0:
+        return None
+    from muonrun.optim import ns_float8  # it subclasses Products: imported when first asked for
+
+    if device is not None and not ns_float8.has_float8_matmuls(device):
+        ns_float8.say_fallback(device)
+        return None
+    float8 = ns_float8.Float8Products()
+    return (float8,) * float8_steps + (TORCH_PRODUCTS,) * (steps - float8_steps)
