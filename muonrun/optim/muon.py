@@ -89,6 +89,7 @@ from muonrun.optim.newton_schulz import (
     resolve_ns_coefficients,
     uses_gram_form,
 )
+from muonrun.optim.ns_products import products_for
 from muonrun.optim.settings import NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
@@ -135,7 +136,10 @@ class Muon(torch.optim.Optimizer):
     - ``fused`` (default False): the momentum, Nesterov look-ahead and cast into the exchange
       buffer as one compiled pass, the decay and update as another (``muonrun.optim.fused``;
       compiled on GPUs, the same foreach ops run eagerly elsewhere): fewer passes over memory, the
-      same arithmetic up to fp32 rounding.
+      same arithmetic up to fp32 rounding;
+    - ``ns_float8_steps`` (default 0): the first that many Newton–Schulz iterations with e4m3
+      operands (``ns_float8.Float8Products``) on GPUs with float8 matmuls; elsewhere all in
+      ``ns_dtype``, said once (``ns_products.products_for``).
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -182,6 +186,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         precondition: str = "frobenius",
         fused: bool = False,
+        ns_float8_steps: int = 0,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -195,6 +200,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("bucket_numel must be >= 1")
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype}")
+        if not 0 <= ns_float8_steps < 100:
+            raise ValueError(f"ns_float8_steps must be >= 0, got {ns_float8_steps}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -215,6 +222,8 @@ class Muon(torch.optim.Optimizer):
         self.gram = bool(gram)
         self.ns_dtype = ns_dtype
         self.fused = bool(fused)
+        self.ns_float8_steps = int(ns_float8_steps)
+        self._products: dict[tuple, tuple | None] = {}  # (iterations, device): ns_products.products_for
         self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
@@ -363,8 +372,12 @@ class Muon(torch.optim.Optimizer):
     def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients], **kw) -> Tensor:
         """Newton–Schulz on a stack of owned matrices (``ns_iterations``: ``scaling``, ``out``):
         torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it. Tests override it to
-        step with another evaluation."""
-        return ns_iterations(X, per_step, gram=self.gram, **kw)
+        step with another evaluation. ``ns_float8_steps``: the first iterations' products in float8."""
+        key = (len(per_step), X.device)
+        if key not in self._products:
+            float8 = min(self.ns_float8_steps, len(per_step))
+            self._products[key] = products_for(len(per_step), float8_steps=float8, device=X.device)
+        return ns_iterations(X, per_step, gram=self.gram, products=self._products[key], **kw)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz

@@ -14,8 +14,8 @@ operand ``A`` is passed as ``A.mT``, the same values column-major; ``B Y`` needs
 which the cast of ``Y`` writes alongside the row-major copy in the same pass (``gram`` and the
 following ``apply`` of one iteration read the same ``Y``, so it is cast once). Each cast (amax, scale,
 cast, transposed copy) is one compiled function on GPUs and the same ops eagerly elsewhere. The
-epilogues ``b A + c A A`` and ``a Y + B Y`` add in fp32 and round once (``c`` rides in the matmul's
-scale). A matrix whose sides are not multiples of 16 (``_scaled_mm``'s rule) takes the torch product.
+epilogues ``b A + c A A`` and ``a Y + B Y`` add the matmul's bf16 result in fp32 and round once
+(``c`` rides in the matmul's scale, applied in fp32). A matrix whose sides are not multiples of 16 (``_scaled_mm``'s rule) takes the torch product.
 """
 
 from __future__ import annotations
