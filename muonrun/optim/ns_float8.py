@@ -167,7 +167,7 @@ class Float8Products(Products):
                     raise
                 _say_once(
                     "grouped",
-                    f"torch._scaled_grouped_mm is not available here ({str(e).splitlines()[0][:160]}); "
+                    f"The grouped float8 matmul is not available here ({str(e).splitlines()[0][:160]}); "
                     "Newton–Schulz's float8 products run one matrix at a time.",
                 )
                 self.matmul = "loop"
