@@ -125,7 +125,7 @@ def check_muon_tracks_bf16(device: str) -> None:
                 for p, grad in zip(ps, step_grads, strict=True):
                     p.grad = grad.clone()
                 opts[k].step()
-        assert opts[2]._products[(5, init[0].device)][0].name == "float8"
+        assert all(ops[0].name == "float8" for ops in opts[2]._products.values())
         for p, q, p0 in zip(runs[2], runs[0], init, strict=True):
             moved = (q - p0).norm()
             assert (p - q).norm() <= 0.1 * moved, (gram, p.shape, ((p - q).norm() / moved).item())
@@ -135,6 +135,17 @@ def check_muon_tracks_bf16(device: str) -> None:
 def test_muon_with_two_float8_iterations_tracks_bf16_muon_on_the_cpu(monkeypatch):
     monkeypatch.setattr(ns_float8, "CPU_REFERENCE", True)  # the CPU's exact (slow) _scaled_mm
     check_muon_tracks_bf16("cpu")
+
+
+def test_the_gram_form_keeps_its_restart_and_later_iterations_in_bf16(monkeypatch):
+    monkeypatch.setattr(ns_float8, "CPU_REFERENCE", True)
+    params = [torch.randn(32, 96), torch.randn(32, 32)]  # wide: the Gram form; square: the standard one
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = Muon(params, lr=0.02, gram=True, ns_float8_steps=4)
+    opt.step()
+    float8 = {key[1]: [o.name for o in ops] for key, ops in opt._products.items()}
+    assert float8 == {2: ["float8"] * 2 + ["torch"] * 3, 4: ["float8"] * 4 + ["torch"]}
 
 
 def test_without_float8_matmuls_muon_runs_bf16_and_says_so_once(monkeypatch, capsys):

@@ -78,6 +78,7 @@ from muonrun.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    GRAM_RESTART,
     PRECONDITIONS,
     Coefficients,
     NSCoefficients,
@@ -138,8 +139,9 @@ class Muon(torch.optim.Optimizer):
       compiled on GPUs, the same foreach ops run eagerly elsewhere): fewer passes over memory, the
       same arithmetic up to fp32 rounding;
     - ``ns_float8_steps`` (default 0): the first that many Newton–Schulz iterations with e4m3
-      operands (``ns_float8.Float8Products``) on GPUs with float8 matmuls; elsewhere all in
-      ``ns_dtype``, said once (``ns_products.products_for``).
+      operands (``ns_float8.Float8Products``) on GPUs with float8 matmuls (in the Gram form at
+      most the iterations before its restart); elsewhere all in ``ns_dtype``, said once
+      (``ns_products.products_for``).
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -373,10 +375,13 @@ class Muon(torch.optim.Optimizer):
         """Newton–Schulz on a stack of owned matrices (``ns_iterations``: ``scaling``, ``out``):
         torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it. Tests override it to
         step with another evaluation. ``ns_float8_steps``: the first iterations' products in float8."""
-        key = (len(per_step), X.device)
+        steps = len(per_step)
+        # The Gram form keeps the restart and what follows in bf16: a float8 restart's Gram matrix
+        # carries its rounding (no longer positive semidefinite) to the end (float8_ns_numerics.py).
+        cap = GRAM_RESTART if self.gram and uses_gram_form(X.shape, steps) else steps
+        key = (steps, min(self.ns_float8_steps, steps, cap), X.device)
         if key not in self._products:
-            float8 = min(self.ns_float8_steps, len(per_step))
-            self._products[key] = products_for(len(per_step), float8_steps=float8, device=X.device)
+            self._products[key] = products_for(steps, float8_steps=key[1], device=X.device)
         return ns_iterations(X, per_step, gram=self.gram, products=self._products[key], **kw)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
