@@ -134,7 +134,8 @@ def op_rows(model: str, shape: tuple[int, int], count: int, f8: dict, iters: int
                 row[f"{matmul}_ms"] = timed(lambda fn=fn, o=o: fn(o), iters)
             except Exception as e:
                 print(
-                    f"FAILED {model} {rows_}x{cols} op {name} {matmul}: {type(e).__name__}: {e}", flush=True
+                    f"FAILED {model} {rows_}x{cols} op {name} {matmul}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                    flush=True,
                 )
                 row[f"{matmul}_ms"] = float("nan")
         row["torch_tflops"] = count * flops / row["torch_ms"] / 1e9
@@ -171,7 +172,7 @@ def main() -> None:
                 try:
                     result[part] += fn(model, shape, count, f8, args.iters)
                 except Exception as e:  # one shape's failure is reported, the others still run
-                    msg = f"{model} {shape[0]}x{shape[1]} {part}: {type(e).__name__}: {e}"
+                    msg = f"{model} {shape[0]}x{shape[1]} {part}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
                     print(f"FAILED {msg}\n{traceback.format_exc(limit=4)}", flush=True)
                     result["errors"].append(msg)
                     f8 = {mm: Float8Products(matmul=mm, fast_accum=args.fast_accum) for mm in MATMULS}

@@ -51,10 +51,29 @@ scaling differ little, rowwise is a little closer where they differ):
   repeat to 0.1% between seeds on the 896- and 1536-row matrices (to 1-2% on 128 x 896), so they
   are systematic, not noise.
 
-The CPU accumulates float8 products exactly in fp32; Hopper's float8 tensor cores accumulate with
-fewer bits unless ``use_fast_accum=False``, which the GPU measurement has to choose and check::
+Muon's float8 path (``--products-only`` runs just this part): ``Float8Products`` (tensorwise e4m3,
+bf16 matmul results, fp32 epilogues; emulated as the fp32 matmul of the dequantised operands, which
+is what the CPU's ``_scaled_mm`` computes) in the first k of 5 iterations of ``ns_iterations``, on
+every preset shape (896/1536 rows and columns of Qwen2-0.5B/1.5B), in the standard form and, where
+it applies, the Gram form; the change of the distance to the polar factor against all-bf16:
 
-    python benchmarks/float8_ns_numerics.py
+- default quintic, standard form: at most +0.25% (k = 1), +0.48% (k = 2), +0.69% (k = 3), the same
+  picture as above; so k <= 3 stays within 1% of all-bf16.
+- default quintic, Gram form: +0.77% (k = 1), +1.61% (k = 2, on 256 x 1536; +1.54% on 128 x 896,
+  under 0.6% on the MLP matrices), and +42% to +1040% at k = 3, where the restart's Gram matrix is
+  itself a float8 product: it is no longer positive semidefinite, and the iteration on R multiplies a
+  negative eigenvalue by about 12 every step. So in the Gram form k <= 1 stays within 1% (k = 2 within
+  1.6%), and Muon never puts the restart or later iterations in float8.
+- Polar Express: the standard form +1.3% at k = 1, +2.9% at k = 2, +31% at k = 3 (128 x 896); the
+  Gram form breaks at k = 1 on the small-row matrices (128 x 896, 256 x 1536: its first iteration's
+  large coefficients drive negative eigenvalues of R up even faster). Float8 is for the default
+  coefficients.
+
+The CPU accumulates float8 products exactly in fp32; Hopper's float8 tensor cores accumulate with
+fewer bits unless ``use_fast_accum=False``, which the GPU measurement has to choose and check
+(benchmarks/bench_ns_float8.py measures both on the GPU)::
+
+    python benchmarks/float8_ns_numerics.py [--products-only]
 """
 
 from __future__ import annotations
