@@ -234,6 +234,6 @@ def test_on_a_gpu_float8_products_and_muon_track_bf16():
     want = dequantised(Y) @ dequantised(Y).mT
     for ops in (Float8Products(matmul="auto"), Float8Products(compiled=True)):
         err = (ops.gram(Y, False).float() - want).abs().max() / want.abs().max()
-        assert err <= BF16_ULP, (ops.matmul, err.item())
+        assert err <= 2 * BF16_ULP, (ops.matmul, err.item())  # compiled casts may round an element apart
     check_near_polar("cuda")
     check_muon_tracks_bf16("cuda")
