@@ -12,9 +12,12 @@ many as the model has, batched as Muon's owner batches them):
    largest difference to torch's result relative to its largest entry (bf16 rounds to 2^-8 ~ 0.004);
 2. the whole ``ns_iterations`` (5 default quintic iterations, Frobenius-normalised input) in the
    standard form and, where it applies, the Gram form, with ``products=None`` (torch) and
-   ``products_for(5, "triton", "cuda")`` (what Muon runs with ``ns_kernel=triton``): milliseconds,
-   FLOPs as issued (``newton_schulz_flops(..., symmetric=...)``) and the distance to the exact polar
-   factor (fp64 SVD) of a gradient-like matrix (singular values 1/i).
+   ``TritonProducts()`` for every iteration (torch's below ``TRITON_MIN_SIZE``): milliseconds, the
+   rate of torch's FLOPs (``newton_schulz_flops``, every product counted in full) and the distance to
+   the exact polar factor (fp64 SVD) of a gradient-like matrix (singular values 1/i).
+
+The kernels (``ns_triton.py`` here, beside this script) are a study, not part of muonrun: on an H200
+they lose to cuBLAS (docs/performance.md), so Muon keeps torch's products.
 
 A shape whose kernels fail is reported with its error and the others still run. Prints a table and
 writes JSON with ``--out``. Not a test: it needs CUDA. It runs in well under 2 minutes on an H200,
@@ -44,7 +47,6 @@ from muonrun.optim.newton_schulz import (  # noqa: E402
     resolve_ns_coefficients,
     uses_gram_form,
 )
-from muonrun.optim.ns_choice import products_for  # noqa: E402
 from muonrun.optim.ns_products import TORCH_PRODUCTS  # noqa: E402
 
 STEPS = 5
@@ -103,7 +105,9 @@ def ns_rows(model: str, shape: tuple[int, int], count: int, iters: int) -> list[
     polar = U @ Vh
     one = normalised(G[None])
     batch = normalised(torch.randn(count, rows_, cols, device="cuda"))
-    triton_products = products_for(STEPS, "triton", "cuda")
+    from ns_triton import TritonProducts  # benchmarks/: needs triton
+
+    triton_products = (TritonProducts(),) * STEPS
     forms = [False, True] if uses_gram_form(shape, STEPS) else [False]
     out = []
     for gram in forms:
@@ -114,7 +118,7 @@ def ns_rows(model: str, shape: tuple[int, int], count: int, iters: int) -> list[
             row[f"{label}_ms"] = timed(
                 lambda g=gram, p=products: ns_iterations(batch, per_step, gram=g, products=p), iters
             )
-            flops = count * newton_schulz_flops(shape, STEPS, gram, symmetric=label == "triton")
+            flops = count * newton_schulz_flops(shape, STEPS, gram)
             row[f"{label}_gflop"] = flops / 1e9
             row[f"{label}_tflops"] = flops / row[f"{label}_ms"] / 1e9
         row["speedup"] = row["torch_ms"] / row["triton_ms"]
@@ -133,8 +137,7 @@ def main() -> None:
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
     try:
         import triton
-
-        from muonrun.optim.ns_triton import TritonProducts
+        from ns_triton import TritonProducts
 
         env["triton"] = triton.__version__
     except ImportError as e:
@@ -167,7 +170,7 @@ def main() -> None:
             f"{r['torch_ms']:9.3f} {r['triton_ms']:9.3f} {r['speedup']:6.2f}x {r['max_rel_err']:11.2e} "
             f"{'yes' if r['symmetric'] else 'NO'}"
         )
-    print("\nwhole Newton–Schulz (5 iterations; triton = ns_kernel=triton, torch below m=256)")
+    print("\nwhole Newton–Schulz (5 iterations; triton = TritonProducts, torch below m=256)")
     print(
         f"{'model':<5} {'shape':>11} {'x':>3} {'form':<8} {'torch ms':>9} {'triton ms':>9} {'speedup':>7} "
         f"{'torch TF/s':>10} {'triton GF':>9} {'to polar torch':>14} {'triton':>8}"

@@ -51,14 +51,34 @@ scaling differ little, rowwise is a little closer where they differ):
   repeat to 0.1% between seeds on the 896- and 1536-row matrices (to 1-2% on 128 x 896), so they
   are systematic, not noise.
 
-The CPU accumulates float8 products exactly in fp32; Hopper's float8 tensor cores accumulate with
-fewer bits unless ``use_fast_accum=False``, which the GPU measurement has to choose and check::
+Muon's float8 path (``--products-only`` runs just this part): ``Float8Products`` (tensorwise e4m3,
+bf16 matmul results, fp32 epilogues; emulated as the fp32 matmul of the dequantised operands, which
+is what the CPU's ``_scaled_mm`` computes) in the first k of 5 iterations of ``ns_iterations``, on
+every preset shape (896/1536 rows and columns of Qwen2-0.5B/1.5B), in the standard form and, where
+it applies, the Gram form; the change of the distance to the polar factor against all-bf16:
 
-    python benchmarks/float8_ns_numerics.py
+- default quintic, standard form: at most +0.25% (k = 1), +0.48% (k = 2), +0.69% (k = 3), the same
+  picture as above; so k <= 3 stays within 1% of all-bf16.
+- default quintic, Gram form: +0.77% (k = 1), +1.61% (k = 2, on 256 x 1536; +1.54% on 128 x 896,
+  under 0.6% on the MLP matrices), and +42% to +1040% at k = 3, where the restart's Gram matrix is
+  itself a float8 product: it is no longer positive semidefinite, and the iteration on R multiplies a
+  negative eigenvalue by about 12 every step. So in the Gram form k <= 1 stays within 1% (k = 2 within
+  1.6%), and Muon never puts the restart or later iterations in float8.
+- Polar Express: the standard form +1.3% at k = 1, +2.9% at k = 2, +31% at k = 3 (128 x 896); the
+  Gram form breaks at k = 1 on the small-row matrices (128 x 896, 256 x 1536: its first iteration's
+  large coefficients drive negative eigenvalues of R up even faster). Float8 is for the default
+  coefficients.
+
+The CPU accumulates float8 products exactly in fp32; Hopper's float8 tensor cores accumulate with
+fewer bits unless ``use_fast_accum=False``, which the GPU measurement has to choose and check
+(benchmarks/bench_ns_float8.py measures both on the GPU)::
+
+    python benchmarks/float8_ns_numerics.py [--products-only]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -71,10 +91,14 @@ from muonrun.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
     newton_schulz,
     newton_schulz_flops,
+    ns_iterations,
     orthogonality_residual,
     resolve_ns_coefficients,
     standard_iterations,
+    uses_gram_form,
 )
+from muonrun.optim.ns_float8 import Float8Products
+from muonrun.optim.ns_products import TORCH_PRODUCTS
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 STEPS = 5
@@ -291,11 +315,117 @@ def print_tables(rows: list[dict], noise: list[dict]) -> None:
     )
 
 
+# Muon's float8 path (muonrun.optim.ns_float8.Float8Products) on every preset matrix shape, in the
+# form Muon uses for it (the Gram form where it applies) and the standard one: shape -> seeds.
+PRESET_CASES = {
+    (896, 896): (0, 1),
+    (128, 896): (0, 1),
+    (4864, 896): (0,),
+    (896, 4864): (0,),
+    (1536, 1536): (0,),
+    (256, 1536): (0, 1),
+    (8960, 1536): (0,),
+    (1536, 8960): (0,),
+}
+PRODUCT_KS = (1, 2, 3)
+MUON_WITHIN = 0.01  # the bar for Muon's setting: within 1% of all-bf16
+
+
+def products_distance(G: Tensor, polar: Tensor, coefficients, gram: bool, k: int) -> float:
+    """Distance to the polar factor of ``ns_iterations`` (bf16, Frobenius-normalised as Muon's owner
+    does) with the first ``k`` iterations' products in float8 (``Float8Products``, emulated: the fp32
+    matmul of the dequantised e4m3 operands, which is what the CPU's ``_scaled_mm`` computes)."""
+    per_step, norm_scale = resolve_ns_coefficients(coefficients, STEPS)
+    X = G.to(torch.bfloat16)[None]
+    X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale).clamp(min=DEFAULT_EPS)
+    float8 = Float8Products(matmul="emulate")
+    products = (float8,) * k + (TORCH_PRODUCTS,) * (STEPS - k)
+    out = ns_iterations(X, per_step, gram=gram, products=products)[0].double()
+    return ((out - polar).norm() / polar.norm()).item()
+
+
+def compare_products(cases=PRESET_CASES) -> list[dict]:
+    """Both forms (the Gram form where it applies), both coefficient sets, k = 0 and ``PRODUCT_KS``."""
+    rows = []
+    for (m, n), seeds in cases.items():
+        for seed in seeds:
+            G = gradient_like(m, n, seed) if m <= n else gradient_like(n, m, seed).T.contiguous()
+            U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+            polar = U @ Vh
+            forms = ("standard", "gram") if uses_gram_form((m, n), STEPS) else ("standard",)
+            for label, coefficients in COEFFICIENT_SETS:
+                for form in forms:
+                    for k in (0, *PRODUCT_KS):
+                        d = products_distance(G, polar, coefficients, form == "gram", k)
+                        rows.append(
+                            {
+                                "shape": (m, n),
+                                "seed": seed,
+                                "coefficients": label,
+                                "form": form,
+                                "k": k,
+                                "to_polar": d,
+                            }
+                        )
+            print(f"{m}x{n} seed {seed} done", flush=True)
+    return rows
+
+
+def print_products_table(rows: list[dict]) -> None:
+    base = {(r["shape"], r["seed"], r["coefficients"], r["form"]): r["to_polar"] for r in rows if r["k"] == 0}
+    for r in rows:
+        r["change"] = r["to_polar"] / base[r["shape"], r["seed"], r["coefficients"], r["form"]] - 1
+    print("\nMuon's float8 products (Float8Products: tensorwise e4m3, bf16 outputs, fp32 epilogues) in the")
+    print("first k of 5 iterations; distance to the polar factor at k = 0 and its change (worst over seeds)")
+    ks = "".join(f"{'k=' + str(k):>9}" for k in PRODUCT_KS)
+    print(f"{'shape':<11} {'coefficients':<16} {'form':<9} {'k = 0':>7}{ks}")
+    for label, _ in COEFFICIENT_SETS:
+        for shape in dict.fromkeys(r["shape"] for r in rows):
+            for form in ("standard", "gram"):
+                sel = [r for r in rows if (r["shape"], r["coefficients"], r["form"]) == (shape, label, form)]
+                if not sel:
+                    continue
+                d0 = np.mean([r["to_polar"] for r in sel if r["k"] == 0])
+                cells = "".join(
+                    f"{max((r['change'] for r in sel if r['k'] == k), key=abs):>+9.2%}" for k in PRODUCT_KS
+                )
+                print(f"{shape[0]}x{shape[1]:<6} {label:<16} {form:<9} {d0:>7.4f}{cells}")
+    print(
+        f"\nlargest k with every shape within {MUON_WITHIN:.0%} of all-bf16 (the form Muon uses: Gram where wide)"
+    )
+    for label, _ in COEFFICIENT_SETS:
+        for form in ("standard", "gram", "muon"):
+            largest = 0
+            for k in PRODUCT_KS:
+                sel = [
+                    r
+                    for r in rows
+                    if r["coefficients"] == label
+                    and r["k"] == k
+                    and (
+                        r["form"] == form
+                        or (
+                            form == "muon"
+                            and r["form"] == ("gram" if uses_gram_form(r["shape"], STEPS) else "standard")
+                        )
+                    )
+                ]
+                if any(abs(r["change"]) > MUON_WITHIN for r in sel):
+                    break
+                largest = k
+            print(f"{label:<16} {form:<9} k <= {largest}")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--products-only", action="store_true", help="only the section on Muon's float8 products")
+    args = ap.parse_args()
     start = time.perf_counter()
     print(f"rowwise torch._scaled_mm against the dequantised fp32 matmul: {check_scaled_mm():.1e} relative\n")
-    rows, noise = compare()
-    print_tables(rows, noise)
+    if not args.products_only:
+        rows, noise = compare()
+        print_tables(rows, noise)
+    print_products_table(compare_products())
     print(f"\n{time.perf_counter() - start:.0f} s")
 
 

@@ -18,7 +18,6 @@ from muonrun.optim.experts import matrices_per_expert
 from muonrun.optim.groups import split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
-from muonrun.optim.ns_choice import resolve_ns_kernel
 
 
 def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> AdamW:
@@ -69,7 +68,7 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         ns_dtype=ns_dtype_for(m.ns_dtype, device_type),
         precondition=m.ns_precondition,
         fused=m.fused if m.fused is not None else device_type == "cuda",
-        ns_kernel=resolve_ns_kernel(m.ns_kernel, device_type),
+        ns_float8_steps=m.ns_float8_steps,
     )
     adamw_groups = _adamw_groups(split.adamw_decay, split.adamw_no_decay, o)
     # LoRA: when only the adapters train, all that trains is Muon's (their A and B) and no AdamW is needed.

@@ -78,6 +78,7 @@ from muonrun.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    GRAM_RESTART,
     PRECONDITIONS,
     Coefficients,
     NSCoefficients,
@@ -89,7 +90,7 @@ from muonrun.optim.newton_schulz import (
     resolve_ns_coefficients,
     uses_gram_form,
 )
-from muonrun.optim.ns_choice import NS_KERNELS, products_for
+from muonrun.optim.ns_float8 import products_for
 from muonrun.optim.settings import NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
@@ -137,10 +138,10 @@ class Muon(torch.optim.Optimizer):
       buffer as one compiled pass, the decay and update as another (``muonrun.optim.fused``;
       compiled on GPUs, the same foreach ops run eagerly elsewhere): fewer passes over memory, the
       same arithmetic up to fp32 rounding;
-    - ``ns_kernel`` (default ``"torch"``): how Newton–Schulz's products are evaluated
-      (``ns_products.products_for``): ``"triton"`` computes the symmetric ones (Gram matrices and
-      their polynomials) by their upper triangle only (``ns_triton``), ``"auto"`` does where triton
-      runs (CUDA, triton installed); torch's matmuls otherwise, and for every other product.
+    - ``ns_float8_steps`` (default 0): the first that many Newton–Schulz iterations with e4m3
+      operands (``ns_float8.Float8Products``) on GPUs with float8 matmuls (in the Gram form at
+      most the iterations before its restart); elsewhere all in ``ns_dtype``, said once
+      (``ns_float8.products_for``).
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -187,7 +188,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         precondition: str = "frobenius",
         fused: bool = False,
-        ns_kernel: str = "torch",
+        ns_float8_steps: int = 0,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -201,8 +202,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("bucket_numel must be >= 1")
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype}")
-        if ns_kernel not in NS_KERNELS:
-            raise ValueError(f"ns_kernel must be one of {NS_KERNELS}, got {ns_kernel!r}")
+        if not 0 <= ns_float8_steps < 100:
+            raise ValueError(f"ns_float8_steps must be >= 0, got {ns_float8_steps}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -223,7 +224,8 @@ class Muon(torch.optim.Optimizer):
         self.gram = bool(gram)
         self.ns_dtype = ns_dtype
         self.fused = bool(fused)
-        self.ns_kernel = ns_kernel
+        self.ns_float8_steps = int(ns_float8_steps)
+        self._products: dict[tuple, tuple | None] = {}  # (iterations, device): ns_float8.products_for
         self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
@@ -371,11 +373,16 @@ class Muon(torch.optim.Optimizer):
 
     def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients], **kw) -> Tensor:
         """Newton–Schulz on a stack of owned matrices (``ns_iterations``: ``scaling``, ``out``):
-        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it, its products evaluated
-        as ``ns_kernel`` says (``ns_products.products_for``). Tests override it to step with another
-        evaluation."""
-        products = products_for(len(per_step), self.ns_kernel, X.device.type)
-        return ns_iterations(X, per_step, gram=self.gram, products=products, **kw)
+        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it. Tests override it to
+        step with another evaluation. ``ns_float8_steps``: the first iterations' products in float8."""
+        steps = len(per_step)
+        # The Gram form keeps the restart and what follows in bf16: a float8 restart's Gram matrix
+        # carries its rounding (no longer positive semidefinite) to the end (float8_ns_numerics.py).
+        cap = GRAM_RESTART if self.gram and uses_gram_form(X.shape, steps) else steps
+        key = (steps, min(self.ns_float8_steps, steps, cap), X.device)
+        if key not in self._products:
+            self._products[key] = products_for(steps, float8_steps=key[1], device=X.device)
+        return ns_iterations(X, per_step, gram=self.gram, products=self._products[key], **kw)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz

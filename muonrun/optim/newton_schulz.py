@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from muonrun.optim.ns_products import TORCH_PRODUCTS, TRITON_MIN_SIZE, Products
+from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -282,11 +282,7 @@ def standard_iterations(
                 B.mul_(d.unsqueeze(-2))  # (B' + a I) D: the scale of X folded into the product
             X = ops.apply(B, X, tall, dst)
         else:
-            X = (
-                torch.baddbmm(X, X, B.mT, beta=a, out=dst)
-                if tall
-                else torch.baddbmm(X, B, X, beta=a, out=dst)
-            )
+            X = ops.apply_add(B, X, a, tall, dst)
     return _finish(X, out)
 
 
@@ -448,30 +444,20 @@ def orthogonality_residual(X: Tensor) -> Tensor:
     return torch.linalg.vector_norm(gram) / math.sqrt(X.shape[-2])
 
 
-def newton_schulz_flops(
-    shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gram: bool = False, symmetric: bool = False
-) -> int:
+def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gram: bool = False) -> int:
     """Matmul FLOPs of ``newton_schulz`` on one ``rows x cols`` matrix: per iteration, on the wide
     orientation ``m x n`` (``m <= n``), ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n).
-    With ``gram`` (where it applies): the products ``gram_iterations`` makes.
-    ``symmetric=False`` counts every product in full, as torch's matmuls compute it;
-    ``symmetric=True`` counts the symmetric ones (``X X^T`` and every ``m x m`` product) by the
-    entries on and above the diagonal only, ``m (m + 1) / 2`` of ``m^2``, as ``ns_kernel="triton"``
-    computes them where it applies (``m >= TRITON_MIN_SIZE``; its diagonal tiles are computed whole,
-    a few percent more than counted here)."""
+    With ``gram`` (where it applies): the products ``gram_iterations`` makes."""
     m, n = sorted(shape[-2:])
     if not (gram and uses_gram_form(shape, steps)):
-        general, sym = steps * 2 * m * m * n, steps * (2 * m * m * n + 2 * m**3)
-    else:
-        restart = steps > GRAM_RESTART
-        general = sym = 2 * m * m * n * (1 + restart)  # final Q X, X X^T; restart: Q X and X X^T again
-        for i in range(steps):
-            fresh = i == 0 or (restart and i == GRAM_RESTART)  # Q = I: P Q costs nothing
-            keeps_r = i < steps - 1 and i + 1 != GRAM_RESTART
-            sym += 2 * m**3 * (1 + (not fresh) + 2 * keeps_r)
-    if symmetric and m >= TRITON_MIN_SIZE:
-        sym = sym * (m + 1) // (2 * m)  # every term carries a factor m^2: exact
-    return general + sym
+        return steps * (4 * m * m * n + 2 * m**3)
+    restart = steps > GRAM_RESTART
+    flops = 2 * m * m * n * (2 + 2 * restart)  # X X^T, final Q X; restart: Q X and X X^T again
+    for i in range(steps):
+        fresh = i == 0 or (restart and i == GRAM_RESTART)  # Q = I: P Q costs nothing
+        keeps_r = i < steps - 1 and i + 1 != GRAM_RESTART
+        flops += 2 * m**3 * (1 + (not fresh) + 2 * keeps_r)
+    return flops
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:

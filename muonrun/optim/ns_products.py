@@ -10,7 +10,8 @@ Every tensor is a stack ``[k, r, c]``. "Symmetric" inputs are symmetric in exact
 matrices and polynomials in one Gram matrix, which also commute with each other); an implementation
 may read only one triangle of them and must return a full (both triangles), contiguous result.
 
-``ns_choice.products_for`` picks the evaluation of each iteration from Muon's settings.
+``ns_float8.products_for`` picks the evaluation of each iteration from Muon's settings (torch's, or
+``ns_float8.Float8Products`` for the first ``ns_float8_steps`` iterations).
 """
 
 from __future__ import annotations
@@ -18,14 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["TRITON_MIN_SIZE", "Products", "TORCH_PRODUCTS"]
-
-TRITON_MIN_SIZE = 256
-"""Smallest side ``m`` of a symmetric result the triton products compute by their upper triangle:
-below it a matrix is at most a few tiles (one or two 128-tiles per side), so skipping the lower
-ones saves little, while cuBLAS's batched kernels are tuned for such sizes. Qwen2's 128 x 896 and
-256 x 1536 key/value projections (m = 128, 256) are the only preset shapes near it, a few percent of
-Newton–Schulz's FLOPs."""
+__all__ = ["Products", "TORCH_PRODUCTS"]
 
 
 class Products:
@@ -49,6 +43,11 @@ class Products:
         """``B Y`` on the wide orientation, ``Y B^T`` for a tall ``Y`` (``B`` square, any), into
         ``out`` when given."""
         return torch.bmm(Y, B.mT, out=out) if tall else torch.bmm(B, Y, out=out)
+
+    def apply_add(self, B: Tensor, Y: Tensor, a: float, tall: bool, out: Tensor | None = None) -> Tensor:
+        """``a Y + B Y`` on the wide orientation, ``a Y + Y B^T`` for a tall ``Y``, into ``out`` when
+        given (torch.optim.Muon's ``baddbmm``)."""
+        return torch.baddbmm(Y, Y, B.mT, beta=a, out=out) if tall else torch.baddbmm(Y, B, Y, beta=a, out=out)
 
 
 TORCH_PRODUCTS = Products()

@@ -22,7 +22,7 @@ one (``A A^T``), batch as the second grid axis, per-entry triangle masks so no e
 (dion's diagonal tiles store each entry twice, from two threads), and a small autotune set for
 Hopper keyed on the sizes and layouts.
 
-Importing this module needs triton; ``ns_products.products_for`` imports it only when asked for
+Importing this module needs triton; the benchmark imports it only when asked for
 ``triton`` products and falls back to torch's where it cannot.
 """
 
@@ -35,7 +35,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from muonrun.optim.ns_products import TRITON_MIN_SIZE, Products
+from muonrun.optim.ns_products import Products
+
+TRITON_MIN_SIZE = 256
+"""Smallest side ``m`` of a symmetric result the kernel computes by its upper triangle: below it a
+matrix is one or two 128-tiles per side, so skipping the lower ones saves little."""
 
 __all__ = ["TritonProducts", "sym_gram", "sym_matmul", "sym_poly"]
 
@@ -193,7 +197,7 @@ def sym_matmul(P: Tensor, Q: Tensor) -> Tensor:
 
 class TritonProducts(Products):
     """``Products`` whose symmetric results (``gram``, ``poly``, ``sym_mm``) come from the upper-tile
-    kernel for CUDA bf16 stacks of side ``m >= min_size`` (``ns_products.TRITON_MIN_SIZE``); everything else, and ``apply`` always,
+    kernel for CUDA bf16 stacks of side ``m >= min_size`` (``TRITON_MIN_SIZE``); everything else, and ``apply`` always,
     is torch's (the base class)."""
 
     name = "triton"
