@@ -17,6 +17,7 @@ from muonrun.errors import UserError
 from muonrun.model.attention import use_mask_free_sdpa
 from muonrun.model.loss import linear_cross_entropy_sum
 from muonrun.model.moe import (
+    RouterLogits,
     active_matmul_params,
     expert_load,
     experts_per_token,
@@ -309,6 +310,9 @@ class CausalLMWithLoss(nn.Module):
         self._z_sum: torch.Tensor | None = None
         self._aux_count = 0
         self._expert_load: dict[str, torch.Tensor] = {}
+        # Router logits through our own hooks where the model allows: transformers' way breaks the
+        # compiled graph of every MoE layer (muonrun/model/moe.py RouterLogits).
+        self._router_logits = RouterLogits.attach(lm) if self.router_aux_loss_coef is not None else None
         head = lm.get_output_embeddings()
         assert isinstance(head, nn.Linear) and head.bias is None, (
             "the fused loss expects a bias-free Linear LM head"
@@ -321,19 +325,25 @@ class CausalLMWithLoss(nn.Module):
         if self.router_aux_loss_coef is None:
             hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
             return self._lm_loss(hidden, labels)
-        out = self.lm.base_model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+        if self._router_logits is None:
+            out = self.lm.base_model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+            router_logits = out.router_logits
+        else:
+            self._router_logits.take()  # what a recompute in the last backward recorded
+            out = self.lm.base_model(input_ids=input_ids, use_cache=False)
+            router_logits = self._router_logits.take()
         loss = self._lm_loss(out.last_hidden_state, labels)
         if not torch.is_grad_enabled():  # evaluation: the LM loss alone
             return loss
-        aux = load_balancing_loss(out.router_logits, self.lm.config)
+        aux = load_balancing_loss(router_logits, self.lm.config)
         detached = aux.detach()
         self._aux_sum = detached if self._aux_sum is None else self._aux_sum + detached
         self._aux_count += 1
         if self.watch_experts:
-            self._expert_load = expert_load(out.router_logits, experts_per_token(self.lm.config))
+            self._expert_load = expert_load(router_logits, experts_per_token(self.lm.config))
         scaled = self.router_aux_loss_coef * aux
         if self.router_z_loss_coef > 0:
-            z = router_z_loss(out.router_logits)
+            z = router_z_loss(router_logits)
             self._z_sum = z.detach() if self._z_sum is None else self._z_sum + z.detach()
             scaled = scaled + self.router_z_loss_coef * z
         return loss + (scaled - scaled.detach())
