@@ -81,13 +81,16 @@ class RouterLogits:
         else:
             target, index = getattr(spec, "target_class", None), getattr(spec, "index", None)
             layer_name = getattr(spec, "layer_name", None)
-            if not isinstance(target, type) or not isinstance(index, int) or getattr(spec, "class_name", None):
+            if (
+                not isinstance(target, type)
+                or not isinstance(index, int)
+                or getattr(spec, "class_name", None)
+            ):
                 return None
         found = [
             m
             for name, m in lm.base_model.named_modules()
-            if isinstance(m, target)
-            and (layer_name is None or f".{layer_name.strip('.')}." in f".{name}.")
+            if isinstance(m, target) and (layer_name is None or f".{layer_name.strip('.')}." in f".{name}.")
         ]
         return RouterLogits(found, index) if found else None
 
