@@ -71,7 +71,7 @@ def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architectur
             "tiny-moe",
             "adamw",
             [
-                "model.hf.experts_implementation=grouped_mm",
+                "+model.hf.experts_implementation=grouped_mm",
                 "parallel.compile=true",
                 "train.router_z_loss_coef=0.001",
                 "train.router_bias_update_rate=0.001",

@@ -97,6 +97,7 @@ def test_a_tiny_moe_training_step_never_waits_for_the_device_on_unlogged_or_logg
         f"output_dir={tmp_path}",
         "launch.nproc_per_node=1",
         "optimizer.name=adamw",
+        "+model.hf.experts_implementation=grouped_mm",  # the presets' experts (the eager loop's nonzero waits)
         "data.seq_len=32",
         "train.micro_batch_size=2",
         "train.grad_accum_steps=2",
