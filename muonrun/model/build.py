@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from typing import TYPE_CHECKING
@@ -142,6 +143,27 @@ def check_positions(hf, seq_len: int) -> None:
         )
 
 
+@contextlib.contextmanager
+def meta_safe_experts(model: nn.Module):
+    """While the meta forward runs, experts compute with transformers' `batched_mm` (gathered weights and
+    a batched matmul: no data-dependent shape, every op has a meta kernel). `grouped_mm`'s meta kernel
+    demands bf16 of the float32 meta model, and the eager loop's `nonzero` has no meta kernel."""
+    configs = {
+        id(c): c
+        for mod in model.modules()
+        if (c := getattr(mod, "config", None)) is not None
+        and getattr(c, "_experts_implementation", None) not in (None, "eager", "batched_mm")
+    }
+    saved = {k: c._experts_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for k, c in configs.items():
+            c._experts_implementation = saved[k]
+
+
 def check_model(
     m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8, features: list[Feature] = ()
 ) -> nn.Module:
@@ -152,7 +174,7 @@ def check_model(
     hf = build_hf_config(m, vocab_size)
     check_positions(hf, seq_len)
     model = build_model(m, hf, features)
-    with torch.device("meta"):
+    with torch.device("meta"), meta_safe_experts(model):
         ids = torch.zeros(1, max(2, min(seq_len, 8)), dtype=torch.long)
         try:
             model.base_model(input_ids=ids, use_cache=False)
