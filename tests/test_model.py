@@ -61,22 +61,41 @@ def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architectur
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "optimizer, extra",
-    [("adamw", []), ("muon", []), ("muon", ["optimizer.muon.gram_ns=true"])],
+    "preset, optimizer, extra",
+    [
+        ("tiny", "adamw", []),
+        ("tiny", "muon", []),
+        ("tiny", "muon", ["optimizer.muon.gram_ns=true"]),
+        # the MoE presets' path: grouped-GEMM experts in compiled layers, balance loss, z-loss, router bias
+        (
+            "tiny-moe",
+            "adamw",
+            [
+                "+model.hf.experts_implementation=grouped_mm",
+                "parallel.compile=true",
+                "train.router_z_loss_coef=0.001",
+                "train.router_bias_update_rate=0.001",
+                "logging.log_interval=2",
+            ],
+        ),
+    ],
 )
-def test_training_steps_never_wait_for_the_gpu(tmp_path, optimizer, extra):
+def test_training_steps_never_wait_for_the_gpu(tmp_path, preset, optimizer, extra):
     """Any host sync (a pageable copy, .item(), a bool of a GPU tensor) raises in sync-debug mode."""
     from muonrun.distributed import destroy
     from muonrun.train.trainer import Trainer
 
     overrides = [f"output_dir={tmp_path}", "train.device=cuda", f"optimizer.name={optimizer}", *extra]
     overrides += ["train.eval_interval=0", "checkpoint.interval=0", "logging.console=plain"]
-    trainer = Trainer(load_config("tiny", overrides))
+    trainer = Trainer(load_config(preset, overrides))
 
     def step(log: bool) -> None:
         loss, grad_norm, wait = trainer.train_step()
         trainer.state.step += 1
-        trainer.metrics.record(trainer.state, loss, grad_norm, 1.0, wait, trainer.optimizers, log=log)
+        telemetry = trainer.telemetry() if log and trainer.logs(trainer.state.step) else None
+        trainer.metrics.record(
+            trainer.state, loss, grad_norm, 1.0, wait, trainer.optimizers, log=log, telemetry=telemetry
+        )
 
     try:
         trainer.metrics.start(trainer.state)

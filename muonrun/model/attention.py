@@ -25,10 +25,11 @@ OBSERVER = "muonrun_attention_observer"
 
 
 def only_full_causal_attention(hf_config) -> bool:
-    """True when every layer attends to all earlier tokens: no sliding window or chunked attention."""
+    """True when every layer attends to all earlier tokens: no sliding window or chunked attention.
+    A window of 0 is none: Qwen2-MoE's config stores 0 when `use_sliding_window` is off."""
     layer_types = getattr(hf_config, "layer_types", None) or []
     limits = (getattr(hf_config, k, None) for k in ("sliding_window", "attention_chunk_size"))
-    return all(t == "full_attention" for t in layer_types) and all(v is None for v in limits)
+    return all(t == "full_attention" for t in layer_types) and all(v is None or v == 0 for v in limits)
 
 
 def use_mask_free_sdpa(model: nn.Module, m: ModelConfig) -> None:

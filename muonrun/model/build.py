@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from muonrun.errors import UserError
 from muonrun.model.attention import use_mask_free_sdpa
 from muonrun.model.loss import linear_cross_entropy_sum
 from muonrun.model.moe import (
+    RouterLogits,
     active_matmul_params,
     expert_load,
     experts_per_token,
@@ -141,6 +143,27 @@ def check_positions(hf, seq_len: int) -> None:
         )
 
 
+@contextlib.contextmanager
+def meta_safe_experts(model: nn.Module):
+    """While the meta forward runs, experts compute with transformers' `batched_mm` (gathered weights and
+    a batched matmul: no data-dependent shape, every op has a meta kernel). `grouped_mm`'s meta kernel
+    demands bf16 of the float32 meta model, and the eager loop's `nonzero` has no meta kernel."""
+    configs = {
+        id(c): c
+        for mod in model.modules()
+        if (c := getattr(mod, "config", None)) is not None
+        and getattr(c, "_experts_implementation", None) not in (None, "eager", "batched_mm")
+    }
+    saved = {k: c._experts_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for k, c in configs.items():
+            c._experts_implementation = saved[k]
+
+
 def check_model(
     m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8, features: list[Feature] = ()
 ) -> nn.Module:
@@ -151,7 +174,7 @@ def check_model(
     hf = build_hf_config(m, vocab_size)
     check_positions(hf, seq_len)
     model = build_model(m, hf, features)
-    with torch.device("meta"):
+    with torch.device("meta"), meta_safe_experts(model):
         ids = torch.zeros(1, max(2, min(seq_len, 8)), dtype=torch.long)
         try:
             model.base_model(input_ids=ids, use_cache=False)
@@ -309,6 +332,9 @@ class CausalLMWithLoss(nn.Module):
         self._z_sum: torch.Tensor | None = None
         self._aux_count = 0
         self._expert_load: dict[str, torch.Tensor] = {}
+        # Router logits through our own hooks where the model allows: transformers' way breaks the
+        # compiled graph of every MoE layer (muonrun/model/moe.py RouterLogits).
+        self._router_logits = RouterLogits.attach(lm) if self.router_aux_loss_coef is not None else None
         head = lm.get_output_embeddings()
         assert isinstance(head, nn.Linear) and head.bias is None, (
             "the fused loss expects a bias-free Linear LM head"
@@ -321,19 +347,25 @@ class CausalLMWithLoss(nn.Module):
         if self.router_aux_loss_coef is None:
             hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
             return self._lm_loss(hidden, labels)
-        out = self.lm.base_model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+        if self._router_logits is None:
+            out = self.lm.base_model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+            router_logits = out.router_logits
+        else:
+            self._router_logits.take()  # what a recompute in the last backward recorded
+            out = self.lm.base_model(input_ids=input_ids, use_cache=False)
+            router_logits = self._router_logits.take()
         loss = self._lm_loss(out.last_hidden_state, labels)
         if not torch.is_grad_enabled():  # evaluation: the LM loss alone
             return loss
-        aux = load_balancing_loss(out.router_logits, self.lm.config)
+        aux = load_balancing_loss(router_logits, self.lm.config)
         detached = aux.detach()
         self._aux_sum = detached if self._aux_sum is None else self._aux_sum + detached
         self._aux_count += 1
         if self.watch_experts:
-            self._expert_load = expert_load(out.router_logits, experts_per_token(self.lm.config))
+            self._expert_load = expert_load(router_logits, experts_per_token(self.lm.config))
         scaled = self.router_aux_loss_coef * aux
         if self.router_z_loss_coef > 0:
-            z = router_z_loss(out.router_logits)
+            z = router_z_loss(router_logits)
             self._z_sum = z.detach() if self._z_sum is None else self._z_sum + z.detach()
             scaled = scaled + self.router_z_loss_coef * z
         return loss + (scaled - scaled.detach())

@@ -31,6 +31,70 @@ def is_router_module(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Router")
 
 
+LOGITS = "muonrun_router_logits"
+"""The attribute where our hook leaves a router module's logits of its last forward."""
+
+
+def _record_router_logits(module: nn.Module, args, output) -> None:
+    """The forward hook: the module's logits stay on it until `RouterLogits.take` collects them (an
+    attribute, not a shared list: dynamo guards on a list's length, so every layer would compile anew)."""
+    setattr(module, LOGITS, output[module.muonrun_logits_index] if isinstance(output, tuple) else output)
+
+
+class RouterLogits:
+    """Each router's logits of a forward, recorded by a forward hook of ours instead of transformers'
+    `output_router_logits=True`.
+
+    transformers records them with hooks that read a `ContextVar`, which torch.compile cannot trace: a
+    graph break in every compiled MoE layer (the layer runs as several graphs with eager Python between
+    them, on every forward and its backward). Our hook sets an attribute of the module, which dynamo
+    traces, so each decoder layer stays one graph. It records what transformers'
+    `_can_record_outputs["router_logits"]` names (the module class and the output index), in layer
+    order: the very tensors transformers would return. `attach` returns None where that spec is not a
+    plain class and index (a name match): the caller then asks transformers for them."""
+
+    def __init__(self, modules: list[nn.Module], index: int):
+        self.modules = modules
+        for module in modules:
+            module.muonrun_logits_index = index
+            setattr(module, LOGITS, None)
+            module.register_forward_hook(_record_router_logits)
+
+    def take(self) -> tuple[Tensor, ...]:
+        """The logits of the last forward, layer by layer (none where a layer did not run); they are
+        then forgotten. A recompute of activation checkpointing in backward records them again: the
+        caller takes (and drops) those before its next forward."""
+        out = tuple(t for m in self.modules if (t := getattr(m, LOGITS)) is not None)
+        for m in self.modules:
+            setattr(m, LOGITS, None)
+        return out
+
+    @staticmethod
+    def attach(lm: nn.Module) -> RouterLogits | None:
+        """Hooks on the modules whose output transformers records as `router_logits`; None when the
+        model's `_can_record_outputs` names them another way (by class name) or not at all."""
+        spec = (getattr(type(lm.base_model), "_can_record_outputs", None) or {}).get("router_logits")
+        if spec is None or isinstance(spec, list | str):
+            return None
+        if isinstance(spec, type):
+            target, index, layer_name = spec, 1, None  # transformers' default index for a bare class
+        else:
+            target, index = getattr(spec, "target_class", None), getattr(spec, "index", None)
+            layer_name = getattr(spec, "layer_name", None)
+            if (
+                not isinstance(target, type)
+                or not isinstance(index, int)
+                or getattr(spec, "class_name", None)
+            ):
+                return None
+        found = [
+            m
+            for name, m in lm.base_model.named_modules()
+            if isinstance(m, target) and (layer_name is None or f".{layer_name.strip('.')}." in f".{name}.")
+        ]
+        return RouterLogits(found, index) if found else None
+
+
 def router_aux_loss_coef(cfg, hf_config) -> float | None:
     """The load-balancing loss weight for this run: `train.router_aux_loss_coef`, else the model
     config's; None for a dense model."""
