@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_max_logit import timed  # benchmarks/: on the path when a script runs
 from bench_ns_levers import gradient_like, model_shapes
+from ns_float8 import Float8Products  # noqa: E402
 
 from muonrun.optim.newton_schulz import (  # noqa: E402
     DEFAULT_NS_COEFFICIENTS,
@@ -39,7 +40,6 @@ from muonrun.optim.newton_schulz import (  # noqa: E402
     ns_iterations,
     uses_gram_form,
 )
-from muonrun.optim.ns_float8 import Float8Products  # noqa: E402
 from muonrun.optim.ns_products import TORCH_PRODUCTS  # noqa: E402
 
 STEPS = 5

@@ -84,6 +84,7 @@ import time
 import numpy as np
 import torch
 from gram_ns_numerics import gradient_like  # benchmarks/: on the path when a script runs
+from ns_float8 import Float8Products
 from torch import Tensor
 
 from muonrun.optim.newton_schulz import (
@@ -97,7 +98,6 @@ from muonrun.optim.newton_schulz import (
     standard_iterations,
     uses_gram_form,
 )
-from muonrun.optim.ns_float8 import Float8Products
 from muonrun.optim.ns_products import TORCH_PRODUCTS
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448

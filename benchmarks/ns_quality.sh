@@ -13,7 +13,7 @@ out=${1:?usage: ns_quality.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")/.." && pwd)
-reference=${REFERENCE:-optimizer.muon.fused=false optimizer.muon.ns_float8_steps=0}
+reference=${REFERENCE:-optimizer.muon.fused=false}
 extra=${EXTRA:-}
 big=(qwen2-muon-fsdp2 data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py"}]' train.eval_interval=0
   data.seq_len=2048 train.micro_batch_size=8 model.hf.hidden_size=1536 model.hf.intermediate_size=8960

@@ -20,8 +20,6 @@ Why each one is here, and not torch's public API:
   (muonrun/optim/fused.py) catch it on their first call, before anything ran, to fall back to the
   eager ops; torch exports no public base class for compile failures, and catching every exception
   would also swallow a failure that happened after some kernels had run.
-- `torch._scaled_mm` and `torch._scaled_grouped_mm`: float8 (e4m3) matmuls with scales, for Newton–Schulz's
-  early iterations (muonrun/optim/ns_float8.py); torch has no public float8 matmul (torchao wraps these).
 """
 
 from __future__ import annotations
@@ -53,32 +51,6 @@ foreach_add_: Callable[..., None] = torch._foreach_add_
 foreach_lerp: Callable[..., list[Tensor]] = torch._foreach_lerp
 foreach_lerp_: Callable[..., None] = torch._foreach_lerp_
 foreach_copy_: Callable[..., None] = torch._foreach_copy_
-
-
-# -- float8 matmuls --------------------------------------------------------------------------------------
-
-
-def scaled_mm(
-    a: Tensor,
-    b: Tensor,
-    scale_a: Tensor,
-    scale_b: Tensor,
-    out_dtype: torch.dtype,
-    out: Tensor | None = None,
-    fast: bool = False,
-) -> Tensor:
-    """``(a * scale_a) @ (b * scale_b)`` of 2-D float8 operands (``a`` row-major, ``b`` column-major on
-    GPUs), fp32 accumulation (``fast``: Hopper's faster, less exact one), in ``out_dtype`` (into ``out``
-    when given); fp32 0-d scales are tensorwise."""
-    kw = {"scale_a": scale_a, "scale_b": scale_b, "out_dtype": out_dtype, "use_fast_accum": fast}
-    return torch._scaled_mm(a, b, **kw) if out is None else torch._scaled_mm(a, b, **kw, out=out)
-
-
-def scaled_grouped_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tensor:
-    """The batched ``scaled_mm`` of stacks ``a`` ``[g, m, k]`` (row-major) and ``b`` ``[g, k, n]``
-    (column-major) in one kernel, bf16 output; rowwise fp32 scales ``[g, m]`` and ``[g, n]``. CUDA only
-    (Hopper and newer)."""
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
 
 
 # -- DTensor ---------------------------------------------------------------------------------------------

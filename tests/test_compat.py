@@ -262,24 +262,3 @@ def test_torch_dynamo_exc_torch_dynamo_exception_is_what_a_failed_compile_raises
     with pytest.raises(base):
         torch.compile(fn, backend=broken_backend, fullgraph=True)(torch.ones(2))
     assert ran == []  # traced, not run: its side effect never happened, so falling back is safe
-
-
-def test_torch_scaled_mm_multiplies_float8_operands_with_their_scales():
-    """torch._scaled_mm: (a * scale_a) @ (b * scale_b) of e4m3 operands, fp32 accumulation (exact on the
-    CPU), into `out` when given; and torch._scaled_grouped_mm takes a stack of them (checked on meta
-    tensors: its kernel is CUDA's)."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(32, 48, generator=g).to(torch.float8_e4m3fn)
-    b = torch.randn(16, 48, generator=g).to(torch.float8_e4m3fn).t()  # column-major, as GPUs want
-    sa, sb = torch.tensor(0.5), torch.tensor(0.25)
-    want = (a.float() * 0.5) @ (b.float() * 0.25)
-    got = compat.scaled_mm(a, b, sa, sb, torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m: f"torch._scaled_mm: {m}")
-    out = torch.empty(32, 16, dtype=torch.bfloat16)
-    assert compat.scaled_mm(a, b, sa, sb, torch.bfloat16, out=out) is out
-    torch.testing.assert_close(out.float(), want, rtol=2**-8, atol=0)
-    meta = dict(device="meta", dtype=torch.float8_e4m3fn)
-    A, B = torch.empty(3, 32, 48, **meta), torch.empty(3, 16, 48, **meta).mT
-    scales = torch.empty(3, 32, device="meta"), torch.empty(3, 16, device="meta")
-    prod = compat.scaled_grouped_mm(A, B, *scales)
-    assert prod.shape == (3, 32, 16) and prod.dtype == torch.bfloat16, "torch._scaled_grouped_mm changed"

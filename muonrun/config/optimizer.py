@@ -65,17 +65,6 @@ class MuonConfig:
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
     several times slower (docs/performance.md)."""
-    ns_float8_steps: int = 0
-    """Newton–Schulz iterations, the first ones, whose matmuls take float8 (e4m3) operands
-    (`torch._scaled_mm`, one scale per matrix, fp32 accumulation, bf16 results); the rest stay in
-    `ns_dtype`. It helps on GPUs with fast float8 matmuls (Hopper and newer: about twice bf16's rate),
-    where Newton–Schulz is a large part of the step (one GPU, large matrices); on a device without
-    them (CPUs, GPUs below compute capability 8.9) every iteration runs in bf16 and the run says so
-    once. Numerics (benchmarks/float8_ns_numerics.py, the default coefficients, every preset shape): the
-    distance to the exact polar factor stays within 1% of all-bf16 with up to 3 float8 iterations in the
-    standard form and 1 in the Gram form (2: within 1.6%); the Gram form keeps its restart (iteration 3)
-    and later in bf16 whatever this says, and `polar_express` tolerates float8 in neither form (its first
-    iterations amplify float8's rounding). 0 (the default): off; at most `ns_steps`; 1 with `gram_ns`."""
     muon_patterns: list[str] = field(default_factory=list)
     """Parameter-name globs forced into Muon (must be 2-D)."""
     adamw_patterns: list[str] = field(default_factory=list)
@@ -90,12 +79,6 @@ class MuonConfig:
             )
         if not 0.0 <= self.beta2 < 1.0:
             raise UserError(f"Config key 'optimizer.muon.beta2' is {self.beta2}; it must be in [0, 1).")
-        if not 0 <= self.ns_float8_steps <= self.ns_steps:
-            raise UserError(
-                f"Config key 'optimizer.muon.ns_float8_steps' is {self.ns_float8_steps}; it counts Newton–Schulz "
-                f"iterations run in float8, so it must be between 0 and optimizer.muon.ns_steps ({self.ns_steps}). "
-                "Set it to 0 (off) or to the number of early iterations to run in float8, such as 2."
-            )
 
 
 @dataclass

@@ -186,9 +186,8 @@ class ParallelConfig:
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """Run the decoder's large matmuls in float8 (torchao; `pip install 'muonrun[float8]'`, a GPU of
     compute capability 8.9+): `tensorwise` or `rowwise` scaling. Weights, optimizer state and Muon's
-    Newton–Schulz are unchanged (`optimizer.muon.ns_float8_steps` is Newton–Schulz's own float8).
-    Which Linear layers it serves follows torchao's size rule (small ones lose more to the casts than
-    they gain; the LM head never): `--dry-run` lists them. The gain grows
+    Newton–Schulz are unchanged. Which Linear layers it serves follows torchao's size rule (small ones
+    lose more to the casts than they gain; the LM head never): `--dry-run` lists them. The gain grows
     with the matmuls: a larger `train.micro_batch_size` gains more (docs/performance.md). See
     muonrun/features/float8.py."""
 

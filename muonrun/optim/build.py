@@ -68,7 +68,6 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         ns_dtype=ns_dtype_for(m.ns_dtype, device_type),
         precondition=m.ns_precondition,
         fused=m.fused if m.fused is not None else device_type == "cuda",
-        ns_float8_steps=m.ns_float8_steps,
     )
     adamw_groups = _adamw_groups(split.adamw_decay, split.adamw_no_decay, o)
     # LoRA: when only the adapters train, all that trains is Muon's (their A and B) and no AdamW is needed.

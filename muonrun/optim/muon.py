@@ -78,7 +78,6 @@ from muonrun.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
-    GRAM_RESTART,
     PRECONDITIONS,
     Coefficients,
     NSCoefficients,
@@ -90,7 +89,6 @@ from muonrun.optim.newton_schulz import (
     resolve_ns_coefficients,
     uses_gram_form,
 )
-from muonrun.optim.ns_float8 import products_for
 from muonrun.optim.settings import NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
@@ -138,10 +136,6 @@ class Muon(torch.optim.Optimizer):
       buffer as one compiled pass, the decay and update as another (``muonrun.optim.fused``;
       compiled on GPUs, the same foreach ops run eagerly elsewhere): fewer passes over memory, the
       same arithmetic up to fp32 rounding;
-    - ``ns_float8_steps`` (default 0): the first that many Newton–Schulz iterations with e4m3
-      operands (``ns_float8.Float8Products``) on GPUs with float8 matmuls (in the Gram form at
-      most the iterations before its restart); elsewhere all in ``ns_dtype``, said once
-      (``ns_float8.products_for``).
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -188,7 +182,6 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         precondition: str = "frobenius",
         fused: bool = False,
-        ns_float8_steps: int = 0,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -202,8 +195,6 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("bucket_numel must be >= 1")
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype}")
-        if not 0 <= ns_float8_steps < 100:
-            raise ValueError(f"ns_float8_steps must be >= 0, got {ns_float8_steps}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -224,8 +215,6 @@ class Muon(torch.optim.Optimizer):
         self.gram = bool(gram)
         self.ns_dtype = ns_dtype
         self.fused = bool(fused)
-        self.ns_float8_steps = int(ns_float8_steps)
-        self._products: dict[tuple, tuple | None] = {}  # (iterations, device): ns_float8.products_for
         self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
@@ -374,15 +363,8 @@ class Muon(torch.optim.Optimizer):
     def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients], **kw) -> Tensor:
         """Newton–Schulz on a stack of owned matrices (``ns_iterations``: ``scaling``, ``out``):
         torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it. Tests override it to
-        step with another evaluation. ``ns_float8_steps``: the first iterations' products in float8."""
-        steps = len(per_step)
-        # The Gram form keeps the restart and what follows in bf16: a float8 restart's Gram matrix
-        # carries its rounding (no longer positive semidefinite) to the end (float8_ns_numerics.py).
-        cap = GRAM_RESTART if self.gram and uses_gram_form(X.shape, steps) else steps
-        key = (steps, min(self.ns_float8_steps, steps, cap), X.device)
-        if key not in self._products:
-            self._products[key] = products_for(steps, float8_steps=key[1], device=X.device)
-        return ns_iterations(X, per_step, gram=self.gram, products=self._products[key], **kw)
+        step with another evaluation."""
+        return ns_iterations(X, per_step, gram=self.gram, **kw)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz

@@ -10,8 +10,9 @@ Every tensor is a stack ``[k, r, c]``. "Symmetric" inputs are symmetric in exact
 matrices and polynomials in one Gram matrix, which also commute with each other); an implementation
 may read only one triangle of them and must return a full (both triangles), contiguous result.
 
-``ns_float8.products_for`` picks the evaluation of each iteration from Muon's settings (torch's, or
-``ns_float8.Float8Products`` for the first ``ns_float8_steps`` iterations).
+Muon uses torch's. benchmarks/ns_triton.py (upper-triangle Triton kernels) and benchmarks/ns_float8.py
+(e4m3 operands) are evaluations studied this way; on an H200 both lose to cuBLAS's bf16 products at the
+presets' shapes (docs/performance.md), so neither is part of Muon.
 """
 
 from __future__ import annotations

@@ -130,8 +130,6 @@ def ns_settings(m) -> str:
     parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
     if m.gram_ns:
         parts.append("Gram form where wide")
-    if m.ns_float8_steps:
-        parts.append(f"the first {m.ns_float8_steps} in float8 where the GPU has float8 matmuls")
     return ", ".join(parts)
 
 

@@ -31,6 +31,33 @@ from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
 
 __all__ = ["E4M3_MAX", "Float8Products", "cast_e4m3", "has_float8_matmuls", "products_for", "say_fallback"]
 
+
+# torch's float8 matmuls are private names (torchao wraps them); this study calls them directly.
+
+
+def scaled_mm(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    out_dtype: torch.dtype,
+    out: Tensor | None = None,
+    fast: bool = False,
+) -> Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` of 2-D float8 operands (``a`` row-major, ``b`` column-major on
+    GPUs), fp32 accumulation (``fast``: Hopper's faster, less exact one), in ``out_dtype`` (into ``out``
+    when given); fp32 0-d scales are tensorwise."""
+    kw = {"scale_a": scale_a, "scale_b": scale_b, "out_dtype": out_dtype, "use_fast_accum": fast}
+    return torch._scaled_mm(a, b, **kw) if out is None else torch._scaled_mm(a, b, **kw, out=out)
+
+
+def scaled_grouped_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tensor:
+    """The batched ``scaled_mm`` of stacks ``a`` ``[g, m, k]`` (row-major) and ``b`` ``[g, k, n]``
+    (column-major) in one kernel, bf16 output; rowwise fp32 scales ``[g, m]`` and ``[g, n]``. CUDA only
+    (Hopper and newer)."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 AMAX_FLOOR = 1e-30  # an all-zero matrix casts to zeros with a finite scale
@@ -158,7 +185,7 @@ class Float8Products(Products):
             return prod.to(torch.bfloat16) if out is None else out.copy_(prod)
         if mode == "grouped" and k > 1:
             try:
-                prod = compat.scaled_grouped_mm(
+                prod = scaled_grouped_mm(
                     a8, b8, sa.view(k, 1).expand(k, m).contiguous(), sb.view(k, 1).expand(k, n).contiguous()
                 )
                 return prod if out is None else out.copy_(prod)
@@ -174,7 +201,7 @@ class Float8Products(Products):
         if out is None:
             out = torch.empty(k, m, n, dtype=torch.bfloat16, device=a8.device)
         for i in range(k):
-            compat.scaled_mm(a8[i], b8[i], sa[i], sb[i], torch.bfloat16, out=out[i], fast=self.fast_accum)
+            scaled_mm(a8[i], b8[i], sa[i], sb[i], torch.bfloat16, out=out[i], fast=self.fast_accum)
         return out
 
     @staticmethod
