@@ -6,7 +6,7 @@
 #    evaluation (REFERENCE: unfused step, torch's products, no float8) and the defaults. Passes when
 #    the loss at every 10th step is within 1%.
 # 2. The optimizer study's Muon and NorMuon (101M, lr 0.01, seed 42, 1,000 steps) with the defaults,
-#    run side by side: passes when each final eval loss is within 0.5% of docs/data/study's.
+#    run beside the 1.5B runs: passes when each final eval loss is within 0.5% of docs/data/study's.
 # Env: STEPS (300), REFERENCE (overrides of the reference run), EXTRA (overrides of every run).
 set -uo pipefail
 out=${1:?usage: ns_quality.sh OUT_DIR}
@@ -19,17 +19,18 @@ big=(qwen2-muon-fsdp2 data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py
   data.seq_len=2048 train.micro_batch_size=8 model.hf.hidden_size=1536 model.hf.intermediate_size=8960
   model.hf.num_hidden_layers=28 model.hf.num_attention_heads=12 "train.max_steps=${STEPS:-300}"
   logging.log_interval=10 checkpoint.interval=0 checkpoint.save_at_end=false logging.console=plain)
+# The study runs share the GPU with the 1.5B runs (only their losses are compared).
+for v in muon normuon; do
+  # shellcheck disable=SC2086
+  python3 -m muonrun pretrain "study-$v" optimizer.muon.lr=0.01 train.seed=42 $extra output_dir="$out/study-$v" \
+    logging.console=plain >"$out/study-$v.log" 2>&1 || echo "ns_quality.sh: study-$v failed: $out/study-$v.log" >&2 &
+done
 # shellcheck disable=SC2086
 python3 -m muonrun pretrain "${big[@]}" $reference $extra output_dir="$out/reference" >"$out/reference.log" 2>&1 \
   || echo "ns_quality.sh: the reference run failed: $out/reference.log" >&2
 # shellcheck disable=SC2086
 python3 -m muonrun pretrain "${big[@]}" $extra output_dir="$out/defaults" >"$out/defaults.log" 2>&1 \
   || echo "ns_quality.sh: the defaults run failed: $out/defaults.log" >&2
-for v in muon normuon; do
-  # shellcheck disable=SC2086
-  python3 -m muonrun pretrain "study-$v" optimizer.muon.lr=0.01 train.seed=42 $extra output_dir="$out/study-$v" \
-    logging.console=plain >"$out/study-$v.log" 2>&1 || echo "ns_quality.sh: study-$v failed: $out/study-$v.log" >&2 &
-done
 wait
 python3 - "$out" "$here/docs/data/study" <<'PY'
 import json, pathlib, sys
