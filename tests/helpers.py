@@ -84,6 +84,22 @@ def assert_same_losses(run: Path, ref: Path, first: int) -> None:
         assert got[step] == [expect[step][0]] * len(got[step]), (step, got[step], expect[step])
 
 
+TINY_MOE = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 5,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 48,
+    "tie_word_embeddings": True,
+}
+"""A tiny Qwen2-MoE `model.hf`: 5 experts, top-2, a shared expert (copy it before changing a key)."""
+
+
 def tiny_qwen2(tied: bool) -> nn.Module:
     cfg = transformers.Qwen2Config(
         vocab_size=128,

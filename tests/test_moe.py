@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_workers
+from helpers import TINY_MOE, run_workers
 from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
 
 from muonrun.config import ModelConfig
@@ -23,19 +23,7 @@ from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, 
 from muonrun.model.moe import active_matmul_params, expert_load, load_balancing_loss
 from muonrun.optim import split_params
 
-MOE = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_experts": 5,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "shared_expert_intermediate_size": 48,
-    "tie_word_embeddings": True,
-}
+MOE = TINY_MOE
 
 
 def moe_model(coef: float | None = 0.01, seed: int = 0, bias: bool = False) -> CausalLMWithLoss:

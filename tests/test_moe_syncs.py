@@ -9,6 +9,7 @@ from __future__ import annotations
 import traceback
 
 import torch
+from helpers import TINY_MOE
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -19,19 +20,7 @@ from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, 
 from muonrun.model.moe import RouterLogits
 
 aten = torch.ops.aten
-HF = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_experts": 5,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "shared_expert_intermediate_size": 48,
-    "tie_word_embeddings": True,
-}
+HF = dict(TINY_MOE, num_hidden_layers=3)
 
 # Ops that wait for the device (a value read on the host, or an output shape that depends on values) and
 # tensors made from host values (on a GPU, a copy from host memory). On the CPU nothing waits, so the
