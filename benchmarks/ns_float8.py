@@ -124,8 +124,6 @@ class Float8Products(Products):
     elsewhere. ``fast_accum``: Hopper's faster float8 accumulation (fewer accumulator bits).
     ``compiled``: the casts compiled (None: on CUDA)."""
 
-    name = "float8"
-
     def __init__(self, matmul: str = "auto", fast_accum: bool = False, compiled: bool | None = None) -> None:
         if matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")

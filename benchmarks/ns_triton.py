@@ -200,8 +200,6 @@ class TritonProducts(Products):
     kernel for CUDA bf16 stacks of side ``m >= min_size`` (``TRITON_MIN_SIZE``); everything else, and ``apply`` always,
     is torch's (the base class)."""
 
-    name = "triton"
-
     def __init__(self, min_size: int = TRITON_MIN_SIZE) -> None:
         self.min_size = min_size
 

@@ -266,9 +266,10 @@ def standard_iterations(
     tall = X.shape[-2] > X.shape[-1]
     if not per_step:
         return _finish(X if scaling is None else scale_input(X, scaling), out)
+    ops_at = [TORCH_PRODUCTS] * len(per_step) if products is None else products
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
-        ops = TORCH_PRODUCTS if products is None else products[i]
+        ops = ops_at[i]
         A = ops.gram(X, tall)  # tall: the iteration on X^T
         d = None
         if i == 0 and scaling is not None:
@@ -318,7 +319,7 @@ def gram_iterations(
 
     if not per_step:
         return _finish(X if scaling is None else scale_input(X, scaling), out)
-    ops_at = [TORCH_PRODUCTS] * len(per_step) if products is None else list(products)
+    ops_at = [TORCH_PRODUCTS] * len(per_step) if products is None else products
     R, Q, d = ops_at[0].gram(X, tall), None, None
     if scaling is not None:
         d = gram_scale(R, scaling).to(R.dtype)

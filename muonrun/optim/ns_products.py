@@ -26,8 +26,6 @@ __all__ = ["Products", "TORCH_PRODUCTS"]
 class Products:
     """torch's evaluation of Newton–Schulz's products (the reference every other one is held to)."""
 
-    name = "torch"
-
     def gram(self, Y: Tensor, tall: bool) -> Tensor:
         """``Y Y^T`` on the wide orientation, ``Y^T Y`` for a tall ``Y``: a new symmetric ``[k, m, m]``."""
         return torch.bmm(Y.mT, Y) if tall else torch.bmm(Y, Y.mT)
