@@ -4,18 +4,20 @@ E matrices (or 2E with a fused gate/up projection), each orthogonalised on its o
 FSDP2 shards dim 0, the expert dimension (``torch.chunk`` layout: ``ceil(E / W)`` experts per rank,
 the last ranks fewer or none), so a rank's local shard is a set of whole experts and the rank that
 holds an expert runs its Newton–Schulz: no exchange, unlike the row-sharded 2-D matrices
-(``muonrun.optim.sharding``). ``muonrun.optim.muon.Muon`` steps these with the functions below.
+(``muonrun.optim.sharding``). ``muonrun.optim.muon.Muon`` steps these with the functions below,
+through the same elementwise passes as the 2-D matrices (``muonrun.optim.fused``: compiled where fused).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from muonrun import compat
 from muonrun.distributed import local_tensor
-from muonrun.optim.newton_schulz import adjust_lr, normuon_normalize, uses_gram_form
+from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale, uses_gram_form
 from muonrun.optim.settings import NSSettings
 from muonrun.optim.telemetry import reduce_group, sum_of_squares
 
@@ -66,69 +68,73 @@ def expert_rows_like(p: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     )
 
 
-def orthogonalize_stacked(
-    u: Tensor,
-    matrices_per_expert: int,
-    ns,
-    ns_dtype: torch.dtype,
-    newton_schulz: Callable[[Tensor, Sequence], Tensor],
-    v: Tensor | None = None,
-) -> tuple[Tensor, tuple[int, int]]:
-    """The orthogonalised update of a local stack ``u`` ``[e, out, in]`` (this rank's experts) as
-    ``[e * k, out / k, in]`` in ``ns_dtype`` (k = ``matrices_per_expert``), and one matrix's shape.
+def expert_chunks(stacked: Sequence[tuple[int, Tensor]], bucket_numel: int) -> list[list[tuple[int, Tensor]]]:
+    """Stacked parameters (``(group index, parameter)``, with gradients) in chunks stepped together: the
+    same group and local shape, at most ``bucket_numel`` elements each (one parameter at least), in
+    order. A chunk's elementwise passes are one call over its list, its Newton–Schulz one batch."""
+    open_: dict[tuple, list[tuple[int, Tensor]]] = {}
+    chunks: list[list[tuple[int, Tensor]]] = []
+    for gi, p in stacked:
+        key = (gi, tuple(local_tensor(p).shape))
+        chunk = open_.get(key)
+        if chunk is None or (len(chunk) + 1) * local_tensor(p).numel() > bucket_numel:
+            chunk = open_[key] = []
+            chunks.append(chunk)
+        chunk.append((gi, p))
+    return chunks
 
-    Each matrix is scaled as ``ns`` says (its Frobenius norm times ``ns.norm_scale``, at least
-    ``ns.eps``; or AOL's row scaling inside the first product) and iterated by ``newton_schulz`` in one
-    batch, as the 2-D path does for the matrices a rank owns.
-    NorMuon (``ns.normuon``): the rows are then normalised with ``v`` ``[e, out]`` (updated in place).
+
+def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
+    """`Muon.step` for one chunk of stacked expert parameters (``expert_chunks``; step settings ``s``
+    of their param group): all local, no exchange.
+
+    1. Momentum and the Nesterov look-ahead, written in ``opt.ns_dtype`` into one buffer of all the
+       chunk's matrices (``opt._passes``: one compiled pass where fused, the dense path's).
+    2. Each matrix scaled as its ``NSSettings`` say (its Frobenius norm times ``norm_scale``, at least
+       ``eps``; or AOL's row scaling inside the first product) and iterated in one batch, in place;
+       NorMuon: each row scaled by ``normuon_row_scale`` and the rows' ``v`` updated.
+    3. Weight decay and the scaled update (``opt._passes`` again).
     """
-    k = matrices_per_expert
-    rows, cols = u.shape[1] // k, u.shape[2]
-    X = u.to(ns_dtype).reshape(-1, rows, cols)
-    if X.shape[0] == 0:  # a rank that holds no experts of this layer
-        return X, (rows, cols)
-    if X.data_ptr() == u.data_ptr():
-        X = X.clone()  # never scale the momentum buffer itself
+    gi = chunk[0][0]
+    group = opt.param_groups[gi]
+    ns = NSSettings.of(group)
+    params = [p for _, p in chunk]
+    bufs = [local_tensor(opt._momentum_buffer(p)) for p in params]  # state on every rank, experts or not
+    vs = [local_tensor(opt._second_moment(p)) for p in params] if ns.normuon else []
+    locals_ = [local_tensor(p) for p in params]
+    e, out_dim, cols = locals_[0].shape
+    if e == 0:  # this rank holds no experts of these parameters
+        return
+    k = group["matrices_per_expert"]
+    rows = out_dim // k
+    grads = []
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        grads.append(local_tensor(p.grad))
+    X = torch.empty(len(params) * e * k, rows, cols, dtype=opt.ns_dtype, device=locals_[0].device)
+    updates = list(X.view(len(params), e, out_dim, cols).unbind(0))
+    key = ("experts", gi, e, out_dim, cols, len(params))
+    opt._passes.momentum(key, bufs, grads, updates, s.momentum, s.nesterov)
     scaling = ns.scaling()
     if scaling is None:  # Frobenius: a pass of its own; AOL is folded into the first product
         norm = torch.linalg.vector_norm(X, dim=(1, 2))
         if ns.norm_scale != 1.0:
             norm = norm * ns.norm_scale
         X.div_(norm.clamp_(min=ns.eps).view(-1, 1, 1))
-    out = newton_schulz(X, ns.per_step, scaling=scaling)
+    opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
     if ns.normuon:
-        out, new_v = normuon_normalize(out, v.view(-1, rows), *ns.normuon)
-        v.view(-1, rows).copy_(new_v)
-        out = out.to(ns_dtype)
-    return out, (rows, cols)
-
-
-def step_stacked(opt, gi: int, p: Tensor, s) -> None:
-    """`Muon.step` for one stacked expert parameter (`opt`'s param group `gi`, step settings `s`):
-    momentum, then every matrix of this rank's experts orthogonalised in one batch (NorMuon:
-    normalised), weight decay and the update, all local."""
-    group = opt.param_groups[gi]
-    ns = NSSettings.of(group)
-    local, buf = local_tensor(p), local_tensor(opt._momentum_buffer(p))
-    grad = p.grad
-    if grad.is_sparse:
-        raise RuntimeError("Muon does not support sparse gradients")
-    grad = local_tensor(grad)
-    buf.lerp_(grad, 1 - s.momentum)
-    u = grad.lerp(buf, s.momentum) if s.nesterov else buf
-    v = local_tensor(opt._second_moment(p)) if ns.normuon else None
-    update, shape = orthogonalize_stacked(
-        u, group["matrices_per_expert"], ns, opt.ns_dtype, opt._newton_schulz, v
-    )
-    opt.stats["orthogonalized"] += update.shape[0]
-    opt.stats["gram"] += update.shape[0] * (opt.gram and uses_gram_form(shape, len(ns.per_step)))
-    update = update.view(local.shape)
-    alpha = -adjust_lr(s.lr, s.adjust_lr_fn, shape)
-    if opt._sums is not None:
-        pg = reduce_group(p)
-        opt._sums.add(pg, "momentum", sum_of_squares([buf]))
-        delta = torch.add(local * (-s.lr * s.weight_decay), update, alpha=alpha)
-        opt._sums.add(pg, "update", sum_of_squares([delta]))
-    if s.lr * s.weight_decay != 0.0:
-        local.mul_(1 - s.lr * s.weight_decay)
-    local.add_(update, alpha=alpha)
+        v = torch.cat([v.view(-1, rows) for v in vs])
+        factor, v = normuon_row_scale(X, v, *ns.normuon)
+        X.mul_(factor.unsqueeze(-1))  # each row scaled in place, rounded once
+        compat.foreach_copy_([v.view(-1, rows) for v in vs], list(v.view(len(params), -1, rows).unbind(0)))
+    opt.stats["orthogonalized"] += X.shape[0]
+    opt.stats["gram"] += X.shape[0] * (opt.gram and uses_gram_form((rows, cols), len(ns.per_step)))
+    factor, alpha = 1 - s.lr * s.weight_decay, -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
+    if opt._sums is not None:  # what the step changes, before it changes it
+        pg = reduce_group(params[0])
+        opt._sums.add(pg, "momentum", sum_of_squares(bufs))
+        deltas = compat.foreach_mul(locals_, -s.lr * s.weight_decay)
+        compat.foreach_add_(deltas, updates, alpha=alpha)
+        opt._sums.add(pg, "update", sum_of_squares(deltas))
+    opt._passes.decay_and_update(key, [(locals_, updates, factor, alpha)])

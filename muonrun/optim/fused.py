@@ -125,12 +125,13 @@ class Passes:
         self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots))
 
     @classmethod
-    def choose(cls, fused: bool, plan: Sequence, backend: str | Callable | None) -> Passes:
+    def choose(cls, fused: bool, devices: Sequence[torch.device], backend: str | Callable | None) -> Passes:
         """Compiled with ``backend`` when given (any device), else compiled where inductor generates
-        GPU code (``can_compile``), else eager; not fused: eager."""
+        GPU code (``can_compile``, on the first of ``devices``: where the parameters are), else
+        eager; not fused: eager."""
         if fused and backend is not None:
             return cls(True, backend)
-        return cls(fused and bool(plan) and can_compile(plan[0].device))
+        return cls(fused and bool(devices) and can_compile(devices[0]))
 
 
 def can_compile(device: torch.device) -> bool:

@@ -71,7 +71,7 @@ from torch import Tensor
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
-from muonrun.optim.experts import check_stacked, expert_rows_like, step_stacked
+from muonrun.optim.experts import check_stacked, expert_chunks, expert_rows_like, step_stacked
 from muonrun.optim.fused import Passes
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
@@ -285,7 +285,10 @@ class Muon(torch.optim.Optimizer):
             ]
             self._plan = build_plan(entries, self.bucket_numel)
             self._plan_key = key
-            self._passes = Passes.choose(self.fused, self._plan, self.compile_backend)
+            devices = [
+                local_tensor(p).device for g in self.param_groups for p in g["params"] if p.grad is not None
+            ]
+            self._passes = Passes.choose(self.fused, devices[:1], self.compile_backend)
         return self._plan
 
     @torch.no_grad()
@@ -308,8 +311,8 @@ class Muon(torch.optim.Optimizer):
             self._sums = Sums(("update", "momentum", "ortho_residual"), device)
         for part in plan:
             self._step_partition(part, settings)
-        for gi, p in stacked:
-            step_stacked(self, gi, p, settings[gi])
+        for chunk in expert_chunks(stacked, self.bucket_numel):
+            step_stacked(self, chunk, settings[chunk[0][0]])
         if self._sums is not None:
             total, self._sums = self._sums.total(), None
             numel = sum(it.rows * it.cols for part in plan for b in part.buckets for it in b.items)

@@ -61,8 +61,9 @@ def full_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
-def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_decay, steps=4) -> float:
-    """Step a sharded Toy and the per-matrix reference; return the worst relative error seen."""
+def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_decay, fused, steps=4) -> float:
+    """Step a sharded Toy and the per-matrix reference; return the worst relative error seen. ``fused``:
+    the elementwise passes traced by dynamo (the backend runs its graph as it is), as on GPUs."""
     model = Toy(counts, seed=7)
     ref_model = Toy(counts, seed=7)
     fully_shard(model, mesh=mesh)
@@ -80,8 +81,11 @@ def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_dec
         ],
         variant=variant,
         ns_dtype=ns_dtype,
+        fused=fused,
         **kw,
     )
+    if fused:
+        opt.compile_backend = "eager"
     ref_names, ref_params = [], []
     for n, p in ref_model.named_parameters():
         mats = [p.data] if p.ndim == 2 else expert_matrices(p.data, n)
@@ -104,6 +108,7 @@ def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_dec
                 i += 1
         opt.step()
         ref.step()
+    assert opt._passes.compiled == fused, opt._passes.compiled
     worst = 0.0
     for n, p in model.named_parameters():
         if p.ndim != 3:
@@ -167,16 +172,18 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     counts = [2, 3, 4, 5]  # on 3 ranks: a rank with none (2 and 4), even (3), uneven (5)
     combos = [
-        ("muon", torch.bfloat16, None, True, 0.1),
-        ("muon", torch.bfloat16, "match_rms_adamw", False, 0.0),
-        ("muon", torch.float32, "original", True, 0.1),
-        ("normuon", torch.float32, "match_rms_adamw", True, 0.1),
-        ("normuon", torch.bfloat16, None, False, 0.0),
+        ("muon", torch.bfloat16, None, True, 0.1, False),
+        ("muon", torch.bfloat16, "match_rms_adamw", False, 0.0, False),
+        ("muon", torch.float32, "original", True, 0.1, False),
+        ("normuon", torch.float32, "match_rms_adamw", True, 0.1, False),
+        ("normuon", torch.bfloat16, None, False, 0.0, False),
+        ("muon", torch.bfloat16, None, True, 0.1, True),
+        ("normuon", torch.float32, None, True, 0.1, True),
     ]
-    for variant, ns_dtype, adjust, nesterov, wd in combos:
-        err = run(mesh, counts, variant, ns_dtype, adjust, nesterov, wd)
+    for variant, ns_dtype, adjust, nesterov, wd, fused in combos:
+        err = run(mesh, counts, variant, ns_dtype, adjust, nesterov, wd, fused)
         tol = RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32
-        what = f"{variant} {ns_dtype} adjust_lr_fn={adjust} nesterov={nesterov} wd={wd}"
+        what = f"{variant} {ns_dtype} adjust_lr_fn={adjust} nesterov={nesterov} wd={wd} fused={fused}"
         assert err <= tol, f"rank {dist.get_rank()}: {what}: expert matrices differ by {err:.2e} (> {tol})"
         if dist.get_rank() == 0:
             print(f"{what}: worst relative difference {err:.1e}", flush=True)
