@@ -2,19 +2,22 @@
 # The optimizer study in one command: a learning-rate sweep of AdamW, Muon and NorMuon on the study
 # presets (same tokens, data order and seed within a seed), then `muonrun compare` of the best of each.
 #   bash scripts/study.sh OUT_DIR            (GPU host)
-# Knobs (environment): ADAMW_LRS, MUON_LRS, NORMUON_LRS (an empty list skips that optimizer), SEEDS
-# (train.seed values, each sweep point runs once per seed), STEPS (train.max_steps), GPUS (how many
+#   STUDY=study-moe NORMUON_LRS= bash scripts/study.sh OUT_DIR   (the mixture-of-experts study)
+# Knobs (environment): STUDY (the presets' prefix: STUDY-adamw, STUDY-muon, STUDY-normuon; default
+# study), ADAMW_LRS, MUON_LRS, NORMUON_LRS (an empty list skips that optimizer), SEEDS (train.seed
+# values, each sweep point runs once per seed), STEPS (train.max_steps; default the presets'), GPUS (how many
 # GPUs), JOBS (how many runs at once, spread over the GPUs; more than GPUS shares a GPU between runs,
 # which keeps a big GPU busy while another run starts or evaluates), EXTRA (overrides for every run).
 # The best learning rate of each optimizer is the one with the lowest final eval loss averaged over
 # the seeds; the comparison shows the lowest seed's run at that learning rate.
 set -euo pipefail
 out=${1:?usage: study.sh OUT_DIR}
+study=${STUDY:-study}
 adamw_lrs=${ADAMW_LRS-1e-3 5e-4 2e-3}
 muon_lrs=${MUON_LRS-0.01 0.005 0.02}
 normuon_lrs=${NORMUON_LRS-0.01 0.005 0.02}
 seeds=${SEEDS:-42}
-steps=${STEPS:-1000}
+steps=${STEPS:+train.max_steps=$STEPS}
 gpus=${GPUS:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 jobs_at_once=${JOBS:-$gpus}
 extra=${EXTRA:-}
@@ -31,9 +34,9 @@ longest=$(( longest > ${#normuon[@]} ? longest : ${#normuon[@]} ))
 jobs=()
 for seed in $seeds; do
   for ((k = 0; k < longest; k++)); do
-    [[ -n ${adamw[k]:-} ]] && jobs+=("study-adamw adamw-lr${adamw[k]}-seed$seed optimizer.lr=${adamw[k]} train.seed=$seed")
-    [[ -n ${muon[k]:-} ]] && jobs+=("study-muon muon-lr${muon[k]}-seed$seed optimizer.muon.lr=${muon[k]} train.seed=$seed")
-    [[ -n ${normuon[k]:-} ]] && jobs+=("study-normuon normuon-lr${normuon[k]}-seed$seed optimizer.muon.lr=${normuon[k]} train.seed=$seed")
+    [[ -n ${adamw[k]:-} ]] && jobs+=("$study-adamw adamw-lr${adamw[k]}-seed$seed optimizer.lr=${adamw[k]} train.seed=$seed")
+    [[ -n ${muon[k]:-} ]] && jobs+=("$study-muon muon-lr${muon[k]}-seed$seed optimizer.muon.lr=${muon[k]} train.seed=$seed")
+    [[ -n ${normuon[k]:-} ]] && jobs+=("$study-normuon normuon-lr${normuon[k]}-seed$seed optimizer.muon.lr=${normuon[k]} train.seed=$seed")
   done
 done
 
@@ -43,7 +46,7 @@ for job in "${jobs[@]}"; do
   read -r preset name overrides <<<"$job"
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 -m muonrun pretrain "$preset" $overrides $extra "name=$name" \
-    "output_dir=$out/$name" "train.max_steps=$steps" logging.console=plain --nproc-per-node 1 \
+    "output_dir=$out/$name" $steps logging.console=plain --nproc-per-node 1 \
     >"$out/$name.log" 2>&1 || echo "$name" >>"$out/failed.txt" &
   i=$((i + 1))
   while (($(jobs -rp | wc -l) >= jobs_at_once)); do wait -n || true; done  # a pool: the next starts when one ends

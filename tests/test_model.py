@@ -66,10 +66,11 @@ def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architectur
         ("tiny", "adamw", []),
         ("tiny", "muon", []),
         ("tiny", "muon", ["optimizer.muon.gram_ns=true"]),
-        # the MoE presets' path: grouped-GEMM experts in compiled layers, balance loss, z-loss, router bias
+        # the MoE presets' path: grouped-GEMM experts in compiled layers, balance loss, z-loss, router
+        # bias; Muon's compiled passes on the experts
         (
             "tiny-moe",
-            "adamw",
+            "muon",
             [
                 "+model.hf.experts_implementation=grouped_mm",
                 "parallel.compile=true",
