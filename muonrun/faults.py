@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 ENV = "MUONRUN_FAULT"
-LAUNCHER_PID_ENV = "MUONRUN_LAUNCHER_PID"
 _SPEC = re.compile(r"^(nan|kill|term|int|int2|hang)@(save:)?(\d+)(?::r(\d+))?$")
 
 
@@ -75,6 +74,9 @@ def after_step(step: int, rank: int, stop_requested=lambda: False) -> None:
         deadline = time.monotonic() + 600
         while not stop_requested() and time.monotonic() < deadline:
             time.sleep(0.05)
+    # imported here: muonrun.checkpoint's package imports this module (its checkpointer's save faults)
+    from muonrun.checkpoint.stop import LAUNCHER_PID_ENV
+
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, os.getpid()))
     if _fires("term", step, rank):
         os.kill(launcher, signal.SIGTERM)
