@@ -303,8 +303,7 @@ def test_export_writes_the_hub_layout_of_experts_that_transformers_loads_back(tm
     hf = build_hf_config(m)
     model = AutoModelForCausalLM.from_config(hf)
     tensors = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    cfg = type("Cfg", (), {"model": m})()
-    sd = hub_layout(tensors, cfg, hf)
+    sd = hub_layout(tensors, model, hf)
     assert "model.layers.1.mlp.experts.4.gate_proj.weight" in sd and not any(
         k.endswith("gate_up_proj") for k in sd
     )

@@ -44,15 +44,21 @@ def check_export_folder(out: Path) -> None:
         raise UserError(f"Export folder '{out}' is not empty; choose a new folder.")
 
 
-def check_tensors_fit(hf_config, tensors: dict[str, torch.Tensor], checkpoint: Path, cfg: Config) -> None:
-    """The tensors to export must be, name for name and shape for shape, the weights of the model the
-    checkpoint's config describes (built on the meta device): otherwise the folder written would not
-    load. A config that is not the one the checkpoint was trained with (a run folder's, edited or
-    rewritten) is caught here."""
+def meta_model(hf_config, cfg: Config) -> torch.nn.Module:
+    """The model the checkpoint's config describes, on the meta device, with transformers' default
+    attention: an export needs its weights' names, shapes and file layout, not its kernels (which the
+    exporting machine may not have)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def check_tensors_fit(model, hf_config, tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """The tensors to export must be, name for name and shape for shape, the weights of ``model`` (the
+    ``meta_model`` of the checkpoint's config): otherwise the folder written would not load. A config
+    that is not the one the checkpoint was trained with (a run folder's, edited or rewritten) is
+    caught here."""
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     problem = None
     for name, tensor in tensors.items():
@@ -83,20 +89,19 @@ BYTE_TOKENIZER_NOTE = (
 )
 
 
-def hub_layout(tensors: dict[str, torch.Tensor], cfg, hf_config) -> dict[str, torch.Tensor]:
-    """The tensors as the model's Hub checkpoints name them. transformers keeps some weights in another
-    layout in memory than in its files (a mixture of experts' stacked `experts.gate_up_proj` [E, 2I, H]
-    is `experts.N.gate_proj.weight` and `up_proj` per expert on the Hub) and converts on load; this
-    undoes it, as `save_pretrained` does, so that other tools read the export too. A model without
-    such conversions is returned as it is."""
+def hub_layout(tensors: dict[str, torch.Tensor], model, hf_config) -> dict[str, torch.Tensor]:
+    """The tensors as the Hub checkpoints of ``model`` (its ``meta_model``) name them. transformers keeps
+    some weights in another layout in memory than in its files (a mixture of experts' stacked
+    `experts.gate_up_proj` [E, 2I, H] is `experts.N.gate_proj.weight` and `up_proj` per expert on the
+    Hub) and converts on load; this undoes it, as `save_pretrained` does, so that other tools read the
+    export too. A model without such conversions is returned as it is."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from muonrun.model.build import build_model
     from muonrun.model.moe import is_moe
 
     if not is_moe(hf_config):
         return tensors
-    return revert_weight_conversion(build_model(cfg.model, hf_config), dict(tensors))
+    return revert_weight_conversion(model, dict(tensors))
 
 
 def export_hf(
@@ -171,8 +176,9 @@ def _export(checkpoint: Path, out: Path, dtype: str, adapter_only: bool, shown_a
             "features exports that way (--adapter-only is for LoRA runs: model.lora.enabled is false in its "
             "config.yaml); export it without the option."
         )
-    check_tensors_fit(hf_config, job.tensors, checkpoint, cfg)
-    sd = hub_layout(job.tensors, cfg, hf_config)
+    model = meta_model(hf_config, cfg)
+    check_tensors_fit(model, hf_config, job.tensors, checkpoint)
+    sd = hub_layout(job.tensors, model, hf_config)
     sd = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sd.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # transformers ties it back to the input embedding
