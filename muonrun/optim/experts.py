@@ -103,7 +103,10 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
     vs = [local_tensor(opt._second_moment(p)) for p in params] if ns.normuon else []
     locals_ = [local_tensor(p) for p in params]
     e, out_dim, cols = locals_[0].shape
-    if e == 0:  # this rank holds no experts of these parameters
+    pg = reduce_group(params[0])
+    if e == 0:  # this rank holds none of these experts; its zero still joins the telemetry's all-reduce
+        if opt._sums is not None:
+            opt._sums.add(pg, "momentum", sum_of_squares(bufs))
         return
     k = group["matrices_per_expert"]
     rows = out_dim // k
@@ -132,7 +135,6 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
     opt.stats["gram"] += X.shape[0] * (opt.gram and uses_gram_form((rows, cols), len(ns.per_step)))
     factor, alpha = 1 - s.lr * s.weight_decay, -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
     if opt._sums is not None:  # what the step changes, before it changes it
-        pg = reduce_group(params[0])
         opt._sums.add(pg, "momentum", sum_of_squares(bufs))
         deltas = compat.foreach_mul(locals_, -s.lr * s.weight_decay)
         compat.foreach_add_(deltas, updates, alpha=alpha)

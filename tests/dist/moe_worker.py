@@ -127,6 +127,23 @@ def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_dec
     return worst
 
 
+def telemetry_matches_what_the_step_did(opt, experts) -> None:
+    """A step with telemetry over every rank's experts: the update's RMS and the momentum's norm equal
+    what the step changed and holds, summed over the ranks here."""
+    before = [p.to_local().clone() for p in experts]
+    opt.collect_telemetry = True
+    opt.step()
+    sums = torch.zeros(2)
+    for p, b in zip(experts, before, strict=True):
+        sums[0] += (p.to_local() - b).square().sum()
+        sums[1] += opt.state[p]["momentum_buffer"].to_local().square().sum()
+    dist.all_reduce(sums)
+    numel = sum(p.numel() for p in experts)
+    assert sums[0] > 0, "the step changed nothing"
+    assert torch.allclose(opt.telemetry["update_rms"], (sums[0] / numel).sqrt(), rtol=1e-4), opt.telemetry
+    assert torch.allclose(opt.telemetry["momentum_norm"], sums[1].sqrt(), rtol=1e-4), opt.telemetry
+
+
 def router_bias_is_the_same_on_every_rank(mesh) -> None:
     """A sharded Qwen2-MoE with the router bias, each rank its own tokens over two micro-batches: after
     the update every rank holds the same bias, the step the summed counts of all ranks call for."""
@@ -199,18 +216,15 @@ def main() -> None:
     assert opt.stats["all_to_all"] == 0, opt.stats
     mine = sum(p.to_local().shape[0] for p in experts)
     assert opt.stats["orthogonalized"] == mine, (opt.stats, mine)
-    # telemetry over every rank's experts: the update's RMS and the momentum's norm, as measured here
-    before = [p.to_local().clone() for p in experts]
-    opt.collect_telemetry = True
-    opt.step()
-    sums = torch.zeros(2)
-    for p, b in zip(experts, before, strict=True):
-        sums[0] += (p.to_local() - b).square().sum()
-        sums[1] += opt.state[p]["momentum_buffer"].to_local().square().sum()
-    dist.all_reduce(sums)
-    numel = sum(p.numel() for p in experts)
-    assert torch.allclose(opt.telemetry["update_rms"], (sums[0] / numel).sqrt(), rtol=1e-4), opt.telemetry
-    assert torch.allclose(opt.telemetry["momentum_norm"], sums[1].sqrt(), rtol=1e-4), opt.telemetry
+    telemetry_matches_what_the_step_did(opt, experts)
+    # 2 experts on 3 ranks: the last rank holds none, and still joins the telemetry's all-reduce
+    lone = Toy([2], seed=5)
+    fully_shard(lone, mesh=mesh)
+    stack = [p for p in lone.parameters() if p.ndim == 3]
+    lone_opt = Muon([{"params": stack, "matrices_per_expert": 1}], lr=LR)
+    for p in stack:
+        p.grad = distribute_tensor(torch.ones(p.shape), p.device_mesh, p.placements)
+    telemetry_matches_what_the_step_did(lone_opt, stack)
     # the NorMuon state lives with the expert rows: [E, out], sharded like the experts
     nor = Muon([{"params": experts, "matrices_per_expert": 1}], lr=LR, variant="normuon")
     nor.step()
