@@ -7,13 +7,16 @@
 #    the loss at every 10th step is within 1%.
 # 2. The optimizer study's Muon and NorMuon (101M, lr 0.01, seed 42, 1,000 steps) with the defaults,
 #    run beside the 1.5B runs: passes when each final eval loss is within 0.5% of docs/data/study's.
-# Env: STEPS (300), REFERENCE (overrides of the reference run), EXTRA (overrides of every run).
+# Env: STEPS (300), REFERENCE (overrides of the reference run), CANDIDATE (overrides of the runs it
+# checks: the 1.5B defaults run and the study runs; e.g. a Newton–Schulz lever before it becomes a
+# default), EXTRA (overrides of every run).
 set -uo pipefail
 out=${1:?usage: ns_quality.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")/.." && pwd)
 reference=${REFERENCE:-optimizer.muon.fused=false}
+candidate=${CANDIDATE:-}
 extra=${EXTRA:-}
 big=(qwen2-muon-fsdp2 data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py"}]' train.eval_interval=0
   data.seq_len=2048 train.micro_batch_size=8 model.hf.hidden_size=1536 model.hf.intermediate_size=8960
@@ -22,14 +25,14 @@ big=(qwen2-muon-fsdp2 data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py
 # The study runs share the GPU with the 1.5B runs (only their losses are compared).
 for v in muon normuon; do
   # shellcheck disable=SC2086
-  python3 -m muonrun pretrain "study-$v" optimizer.muon.lr=0.01 train.seed=42 $extra output_dir="$out/study-$v" \
+  python3 -m muonrun pretrain "study-$v" optimizer.muon.lr=0.01 train.seed=42 $candidate $extra output_dir="$out/study-$v" \
     logging.console=plain >"$out/study-$v.log" 2>&1 || echo "ns_quality.sh: study-$v failed: $out/study-$v.log" >&2 &
 done
 # shellcheck disable=SC2086
 python3 -m muonrun pretrain "${big[@]}" $reference $extra output_dir="$out/reference" >"$out/reference.log" 2>&1 \
   || echo "ns_quality.sh: the reference run failed: $out/reference.log" >&2
 # shellcheck disable=SC2086
-python3 -m muonrun pretrain "${big[@]}" $extra output_dir="$out/defaults" >"$out/defaults.log" 2>&1 \
+python3 -m muonrun pretrain "${big[@]}" $candidate $extra output_dir="$out/defaults" >"$out/defaults.log" 2>&1 \
   || echo "ns_quality.sh: the defaults run failed: $out/defaults.log" >&2
 wait
 python3 - "$out" "$here/docs/data/study" <<'PY'
