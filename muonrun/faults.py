@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import torch
 
 ENV = "MUONRUN_FAULT"
+# muonrun.checkpoint.stop.LAUNCHER_PID_ENV, copied: importing it would be a cycle (muonrun.checkpoint
+# imports this module); tests/test_checkpoint.py checks the two are the same.
+LAUNCHER_PID_ENV = "MUONRUN_LAUNCHER_PID"
 _SPEC = re.compile(r"^(nan|kill|term|int|int2|hang)@(save:)?(\d+)(?::r(\d+))?$")
 
 
@@ -74,9 +77,6 @@ def after_step(step: int, rank: int, stop_requested=lambda: False) -> None:
         deadline = time.monotonic() + 600
         while not stop_requested() and time.monotonic() < deadline:
             time.sleep(0.05)
-    # imported here: muonrun.checkpoint's package imports this module (its checkpointer's save faults)
-    from muonrun.checkpoint.stop import LAUNCHER_PID_ENV
-
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, os.getpid()))
     if _fires("term", step, rank):
         os.kill(launcher, signal.SIGTERM)

@@ -46,6 +46,9 @@ def test_fault_specs():
     for bad in ("nan@save:3", "boom@1", "kill@x"):
         with pytest.raises(ValueError, match="MUONRUN_FAULT"):
             faults.parse(bad)
+    from muonrun.checkpoint.stop import LAUNCHER_PID_ENV
+
+    assert faults.LAUNCHER_PID_ENV == LAUNCHER_PID_ENV  # faults' copy (an import would be a cycle)
 
 
 def _fake_checkpoint(path: Path, world_size: int = 2, complete: bool = True) -> Path:
