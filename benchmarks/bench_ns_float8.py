@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_max_logit import timed  # benchmarks/: on the path when a script runs
 from bench_ns_levers import gradient_like, model_shapes
+from bench_ns_products import normalised
 from ns_float8 import Float8Products  # noqa: E402
 
 from muonrun.optim.newton_schulz import (  # noqa: E402
@@ -47,11 +48,6 @@ PER_STEP = [DEFAULT_NS_COEFFICIENTS] * STEPS
 KS = (0, 1, 2, 3)
 MATMULS = ("grouped", "loop")
 DEVICE = "cuda"
-
-
-def normalised(G: torch.Tensor) -> torch.Tensor:
-    X = G.bfloat16()
-    return X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=1e-7)
 
 
 def products(k: int, ops: Float8Products) -> tuple | None:

@@ -75,9 +75,10 @@ def expert_chunks(stacked: Sequence[tuple[int, Tensor]], bucket_numel: int) -> l
     open_: dict[tuple, list[tuple[int, Tensor]]] = {}
     chunks: list[list[tuple[int, Tensor]]] = []
     for gi, p in stacked:
-        key = (gi, tuple(local_tensor(p).shape))
+        local = local_tensor(p)
+        key = (gi, tuple(local.shape))
         chunk = open_.get(key)
-        if chunk is None or (len(chunk) + 1) * local_tensor(p).numel() > bucket_numel:
+        if chunk is None or (len(chunk) + 1) * local.numel() > bucket_numel:
             chunk = open_[key] = []
             chunks.append(chunk)
         chunk.append((gi, p))

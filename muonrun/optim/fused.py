@@ -125,13 +125,13 @@ class Passes:
         self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots))
 
     @classmethod
-    def choose(cls, fused: bool, devices: Sequence[torch.device], backend: str | Callable | None) -> Passes:
+    def choose(cls, fused: bool, device: torch.device | None, backend: str | Callable | None) -> Passes:
         """Compiled with ``backend`` when given (any device), else compiled where inductor generates
-        GPU code (``can_compile``, on the first of ``devices``: where the parameters are), else
+        GPU code (``can_compile`` on ``device``, where the parameters are; None: none to step), else
         eager; not fused: eager."""
         if fused and backend is not None:
             return cls(True, backend)
-        return cls(fused and bool(devices) and can_compile(devices[0]))
+        return cls(fused and device is not None and can_compile(device))
 
 
 def can_compile(device: torch.device) -> bool:

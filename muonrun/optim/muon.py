@@ -285,10 +285,9 @@ class Muon(torch.optim.Optimizer):
             ]
             self._plan = build_plan(entries, self.bucket_numel)
             self._plan_key = key
-            devices = [
-                local_tensor(p).device for g in self.param_groups for p in g["params"] if p.grad is not None
-            ]
-            self._passes = Passes.choose(self.fused, devices[:1], self.compile_backend)
+            stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]  # experts too
+            device = local_tensor(stepped[0]).device if stepped else None
+            self._passes = Passes.choose(self.fused, device, self.compile_backend)
         return self._plan
 
     @torch.no_grad()
