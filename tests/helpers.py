@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -131,32 +132,36 @@ def run_workers(
     fails or exceeds ``timeout`` seconds. The repository root is put on ``PYTHONPATH`` and
     ``OMP_NUM_THREADS`` defaults to 1 so that several workers share a small CI machine.
     """
-    repo_root = Path(__file__).resolve().parents[2]
+    repo_root = Path(__file__).resolve().parents[1]
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), full_env.get("PYTHONPATH", "")]))
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
+    # torchrun's per-worker folders go into a folder removed afterwards, not the system's temporary one
+    logs = tempfile.TemporaryDirectory(prefix="muonrun-workers-")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        f"--log-dir={logs.name}",
         str(script_path),
         *map(str, args),
     ]
     try:
-        proc = subprocess.run(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            env=full_env,
-            cwd=repo_root,
-        )
+        with logs:
+            proc = subprocess.run(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout,
+                env=full_env,
+                cwd=repo_root,
+            )
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         raise WorkersFailed(f"{' '.join(cmd)} timed out after {timeout}s\n{out}") from None
