@@ -2,7 +2,7 @@
 # The optimizer study in one command: a learning-rate sweep of AdamW, Muon and NorMuon on the study
 # presets (same tokens, data order and seed within a seed), then `muonrun compare` of the best of each.
 #   bash scripts/study.sh OUT_DIR            (GPU host)
-#   STUDY=study-moe NORMUON_LRS= bash scripts/study.sh OUT_DIR   (the mixture-of-experts study)
+#   STUDY=study-moe bash scripts/study.sh OUT_DIR   (the mixture-of-experts study)
 # Knobs (environment): STUDY (the presets' prefix: STUDY-adamw, STUDY-muon, STUDY-normuon; default
 # study), ADAMW_LRS, MUON_LRS, NORMUON_LRS (an empty list skips that optimizer), SEEDS (train.seed
 # values, each sweep point runs once per seed), STEPS (train.max_steps; default the presets'), GPUS (how many
