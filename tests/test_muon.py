@@ -23,6 +23,8 @@ from muonrun.optim import (
     newton_schulz_flops,
     resolve_ns_coefficients,
 )
+from muonrun.optim.newton_schulz import ns_iterations
+from muonrun.optim.ns_products import TORCH_PRODUCTS
 
 torch_muon = pytest.importorskip("torch.optim._muon")
 TorchMuon = torch.optim.Muon
@@ -394,6 +396,46 @@ def test_gram_newton_schulz_in_bf16_is_as_close_to_the_polar_factor():
             assert err_gram < 1.15 * err_standard + 0.01, (coefficients, err_gram, err_standard)
             s = torch.linalg.svdvals(gram)
             assert s.min() > 0.6 and s.max() < 1.4, (coefficients, s.min(), s.max())
+
+
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_blocked_symmetric_products_are_torchs_with_the_lower_blocks_mirrored(blocks):
+    """benchmarks/ns_blocked.py: in fp64 every product and both forms of Newton–Schulz equal torch's
+    evaluation to rounding, the blocks below the diagonal mirroring those above; in bf16 the Gram form
+    stays as close to the polar factor."""
+    script = _script("ns_blocked")
+    blocked = script.BlockedProducts(blocks)
+    g = torch.Generator().manual_seed(3)
+    per_step, _ = resolve_ns_coefficients(DEFAULT_NS_COEFFICIENTS, 5)
+    for shape in [(2, 45, 160), (2, 160, 45), (2, 37, 37)]:
+        X = torch.randn(shape, generator=g, dtype=torch.float64)
+        X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+        tall = shape[1] > shape[2]
+        A, A_blocked = TORCH_PRODUCTS.gram(X, tall), blocked.gram(X, tall)
+        P, P_blocked = TORCH_PRODUCTS.poly(A, -4.775, 2.0315), blocked.poly(A, -4.775, 2.0315)
+        for ours, torchs in ((A_blocked, A), (P_blocked, P), (blocked.sym_mm(P, A), torch.bmm(P, A))):
+            assert ours.is_contiguous()
+            torch.testing.assert_close(ours, torchs, rtol=0, atol=1e-13)
+            h = script.block_bounds(min(shape[1:]), blocks)[0][1]  # the first block's mirror is exact
+            assert torch.equal(ours[:, h:, :h], ours[:, :h, h:].mT)
+        for gram in (False, True):
+            torch.testing.assert_close(
+                ns_iterations(X, per_step, gram=gram, products=[blocked] * 5),
+                ns_iterations(X, per_step, gram=gram),
+                rtol=0,
+                atol=1e-12,
+            )
+    m, n = 96, 560
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g))
+    V, _ = torch.linalg.qr(torch.randn(n, m, generator=g))
+    G = (U * torch.arange(1, m + 1) ** -1.0) @ V.T
+    u, _, vh = torch.linalg.svd(G, full_matrices=False)
+    X = (G / torch.linalg.vector_norm(G)).bfloat16()[None]
+    ours, torchs = (
+        (ns_iterations(X, per_step, gram=True, products=p)[0].float() - u @ vh).norm() / (u @ vh).norm()
+        for p in ([blocked] * 5, None)
+    )
+    assert ours < 1.05 * torchs, (ours, torchs)
 
 
 @pytest.mark.parametrize("variant", ["muon", "normuon"])

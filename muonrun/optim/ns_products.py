@@ -12,7 +12,9 @@ may read only one triangle of them and must return a full (both triangles), cont
 
 Muon uses torch's. benchmarks/ns_triton.py (upper-triangle Triton kernels) and benchmarks/ns_float8.py
 (e4m3 operands) are evaluations studied this way; on an H200 both lose to cuBLAS's bf16 products at the
-presets' shapes (docs/performance.md), so neither is part of Muon.
+presets' shapes (docs/performance.md), so neither is part of Muon. benchmarks/ns_blocked.py (the upper
+blocks of each symmetric result as cuBLAS products) is the next one benchmarks/bench_ns_products.py
+measures.
 """
 
 from __future__ import annotations
