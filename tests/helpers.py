@@ -15,7 +15,7 @@ import transformers
 from torch import nn
 
 from muonrun import faults
-from muonrun.checkpoint import complete_checkpoints
+from muonrun.checkpoint import published_checkpoints
 
 STEPS = 8  # 2N: every exact-resume comparison covers steps N+1..2N of an 8-step run
 SMALL = [
@@ -65,7 +65,7 @@ def losses(run: Path) -> dict[int, list[float]]:
 
 
 def steps_of(run: Path) -> list[int]:
-    return [int(p.name.split("-")[1]) for p in complete_checkpoints(run / "checkpoints")]
+    return [int(p.name.split("-")[1]) for p in published_checkpoints(run / "checkpoints")]
 
 
 def tree(folder: Path) -> dict[str, tuple[int, int]]:

@@ -24,10 +24,11 @@ from muonrun.checkpoint import (
     META,
     WRITER_THREADS,
     StopFlag,
-    complete_checkpoints,
     load_model_tensors,
+    published_checkpoints,
     rank_state_file,
     resolve_checkpoint,
+    verify,
 )
 from muonrun.checkpoint.files import seal
 from muonrun.cli import app
@@ -59,15 +60,21 @@ def _fake_checkpoint(path: Path, world_size: int = 2, complete: bool = True) -> 
     return path
 
 
-def test_only_published_checkpoints_count(tmp_path):
+def test_only_published_checkpoints_count_and_a_published_one_missing_files_is_damaged(tmp_path):
+    """A save renames step-N.tmp to step-N once its manifest is written: a step-N folder without one lost
+    it afterwards, so it counts (and verifies as damaged) rather than being passed over in silence."""
     root = tmp_path / "run" / "checkpoints"
     _fake_checkpoint(root / "step-10")
     _fake_checkpoint(root / "step-9")
     _fake_checkpoint(root / "step-20.tmp")  # an interrupted save
-    _fake_checkpoint(root / "step-30", complete=False)  # no muonrun.json: never published
-    (root / "step-40").mkdir()
-    assert [p.name for p in complete_checkpoints(root)] == ["step-9", "step-10"]  # numeric order
-    assert resolve_checkpoint(tmp_path / "run").name == "step-10"
+    _fake_checkpoint(root / "step-30", complete=False)  # its muonrun.json deleted after the save
+    (root / "step-40").mkdir()  # emptied
+    (root / "step-50").write_text("")  # a file, not a checkpoint
+    published = published_checkpoints(root)
+    assert [p.name for p in published] == ["step-9", "step-10", "step-30", "step-40"]  # numeric order
+    for damaged in ("step-30", "step-40"):
+        assert verify(root / damaged).problems[0].startswith("muonrun.json cannot be trusted")
+    assert resolve_checkpoint(tmp_path / "run").name == "step-40"
     with pytest.raises(UserError, match="incomplete"):
         resolve_checkpoint(root / "step-20.tmp")
     with pytest.raises(UserError, match="not a muonrun checkpoint"):
@@ -337,7 +344,7 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path, reseal):
 def test_a_refused_resume_changes_nothing_and_export_reads_the_checkpoints_own_config(
     adamw_ref, tmp_path, reseal
 ):
-    """A rerun with another architecture is refused (exit 2, naming the setting) and leaves the run's
+    """A rerun with another architecture is refused (exit 2, naming the settings) and leaves the run's
     config.yaml, metrics and checkpoints as they were; export rebuilds the model from the config the
     checkpoint carries, so neither that rerun nor a hand edit of the run's config.yaml changes what it
     writes; a checkpoint without its own config whose run config no longer fits is refused, naming the
@@ -349,10 +356,13 @@ def test_a_refused_resume_changes_nothing_and_export_reads_the_checkpoints_own_c
     step = run / "checkpoints" / f"step-{STEPS}"
     before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
     checkpoints = tree(run / "checkpoints")
-    refused = pretrain(run, "model.hf.hidden_size=64", nproc=1)
+    # fewer layers (a load would read a subset of the tensors) and another split into heads (it would
+    # read them all): neither fails a load, both are refused before it
+    refused = pretrain(run, "model.hf.num_hidden_layers=2", "model.hf.num_attention_heads=8", nproc=1)
     text = " ".join(refused.stderr.split())
-    assert refused.returncode == 2 and "does not fit this run's model" in text, refused.stderr[-3000:]
-    assert "model.hf.hidden_size: 128 -> 64" in text and "Traceback" not in refused.stderr
+    assert refused.returncode == 2 and "saved by another model or optimizer" in text, refused.stderr[-3000:]
+    assert "model.hf.num_hidden_layers: 4 -> 2; model.hf.num_attention_heads: 4 -> 8" in text, text
+    assert "Traceback" not in refused.stderr
     assert {name: (run / name).read_bytes() for name in before} == before
     assert tree(run / "checkpoints") == checkpoints
     # a hand edit of the run's config.yaml: export reads the checkpoint's own copy

@@ -99,6 +99,12 @@ def test_every_kind_of_damage_is_found_and_named(ref, tmp_path):
     meta.write_text(meta.read_text().replace(f'"step": {STEPS}', '"step": 7', 1))
     assert "does not match its own checksum" in " ".join(verify(checkpoints[8]).problems)
 
+    # a step-N folder is published whole: one that lost its manifest or DCP's .metadata is damaged,
+    # never passed over as if it were an interrupted save
+    (checkpoints[2] / META).unlink()
+    code, text = cli("checkpoint", "verify", str(run))
+    assert code == 1 and "step-2' is damaged: muonrun.json cannot be trusted" in text, text
+
 
 def test_pruning_never_takes_the_last_intact_checkpoint(ref, tmp_path):
     root = copy_of(ref, tmp_path) / "checkpoints"
@@ -132,6 +138,30 @@ def test_resume_skips_damaged_checkpoints_and_matches_an_uninterrupted_run(ref, 
     assert_same_losses(run, ref, first=5)
     # set aside (not deleted) when the run saved their steps again; the new ones are intact
     assert (ck / "step-6.damaged").is_dir() and (ck / "step-8.damaged").is_dir()
+    assert steps_of(run) == [6, 8] and all(verify(ck / f"step-{s}").ok for s in (6, 8))
+
+
+@pytest.mark.slow
+def test_going_back_with_resume_from_then_a_preemption_continues_the_new_line(ref, tmp_path):
+    """checkpoint.resume_from an earlier step of the run's own folder: the later checkpoints, which
+    continue the training it went back from, are set aside (not deleted), so neither a plain rerun nor
+    the same command after a preemption resumes them; the same command continues its own line (not
+    its start again, which pruning may since have taken), with an uninterrupted run's losses."""
+    run = copy_of(ref, tmp_path)
+    ck = run / "checkpoints"
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= 2))
+    back = [f"checkpoint.resume_from={ck / 'step-2'}", "checkpoint.interval=2", "checkpoint.keep_last=2"]
+    text = " ".join(ok(pretrain(run, *back, fault="term@3")).split())
+    assert "resumed from" in text and "step-2 at step 2" in text
+    assert "step-6.abandoned, not deleted" in text and "step-8.abandoned, not deleted" in text
+    assert (
+        steps_of(run) == [2, 4] and (ck / "step-6.abandoned").is_dir() and (ck / "step-8.abandoned").is_dir()
+    )
+    (ck / "step-2").rename(ck / "step-2.gone")  # as if pruning had taken the line's start
+    text = " ".join(ok(pretrain(run, *back)).split())
+    assert "continues from its own latest, step-4" in text and "step-4 at step 4" in text
+    assert_same_losses(run, ref, first=3)
     assert steps_of(run) == [6, 8] and all(verify(ck / f"step-{s}").ok for s in (6, 8))
 
 

@@ -39,14 +39,16 @@ from muonrun.checkpoint.files import (
     CONFIG,
     META,
     STEP_DIR,
+    DamagedCheckpoint,
     Verdict,
-    complete_checkpoints,
     fsync_dir,
     hash_files,
     prune,
+    published_checkpoints,
     read_meta,
     resolve_checkpoint,
     seal,
+    step_of,
     verify,
     write_synced,
 )
@@ -64,6 +66,15 @@ STATE_SHAPING = (
     "optimizer.muon.muon_patterns",
     "optimizer.muon.adamw_patterns",
 )
+# Of those, the ones a resume may change: how the same model is computed or first built. Every other
+# change is refused before loading, because a load cannot catch them all: one with fewer layers reads a
+# subset of the checkpoint's tensors, and another split of the same weights into heads reads them all.
+RESUME_MAY_CHANGE = (
+    "model.attn_implementation",
+    "model.init",
+    "model.name_or_path",
+    "model.trust_remote_code",
+)
 
 # Threads writing each rank's share (DCP's FileSystemWriter: one file per thread). DCP's default of one
 # leaves a fast disk idle; four reach a local NVMe disk's fsynced write speed, more do not help
@@ -73,6 +84,19 @@ WRITER_THREADS = 4
 
 def storage_writer(path: Path) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(path, thread_count=WRITER_THREADS)
+
+
+def resume_key(setting: str) -> str:
+    """How a checkpoint records the checkpoint.resume_from its run started from: the absolute path."""
+    return str(Path(setting).expanduser().resolve())
+
+
+def started_from(checkpoint: Path) -> str | None:
+    """The checkpoint.resume_from (`resume_key`) the run that saved it started from, if any."""
+    try:
+        return read_meta(checkpoint).get("started_from")
+    except DamagedCheckpoint:  # found and named when it is verified
+        return None
 
 
 def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
@@ -128,6 +152,9 @@ class Checkpointer:
         # waits for the manifest and the rename.
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonrun-hash")
         self._damaged: set[Path] = set()  # found at load; set aside if the run saves their step again
+        # The checkpoint.resume_from this run's line of checkpoints started from (written into each):
+        # rerunning the same command continues that line instead of going back to its start.
+        self._started_from: str | None = None
         self.timings = {"write_s": 0.0, "checksum_s": 0.0}  # of the last published save
         # Async saves run their collectives in a background thread: give them their own gloo group so
         # they never interleave with the training collectives on the default group.
@@ -272,6 +299,8 @@ class Checkpointer:
             }
             if self.identity:
                 meta["identity"] = self.identity
+            if self._started_from:
+                meta["started_from"] = self._started_from
             write_synced(tmp / META, json.dumps(seal(meta), indent=1).encode())
             replaced = None
             if final.exists():  # a rerun from an earlier checkpoint reaches this step again
@@ -319,10 +348,22 @@ class Checkpointer:
             for junk in self.root.glob("step-*.*") if self.root.is_dir() else []:
                 if junk.is_dir() and junk.suffix in (".tmp", ".deleting", ".replaced"):
                     shutil.rmtree(junk, ignore_errors=True)  # leftovers of an interrupted save or prune
-            found = complete_checkpoints(self.root)
+            found = published_checkpoints(self.root)
             try:
                 if ck.resume_from:
-                    result = [("resume", str(resolve_checkpoint(ck.resume_from)), True)]
+                    # this run's own checkpoints since it started from there come first, newest first
+                    line = [p for p in found if started_from(p) == resume_key(ck.resume_from)]
+                    if line:
+                        log.info(
+                            f"checkpoint.resume_from: this run started from '{ck.resume_from}' and has saved "
+                            f"since; it continues from its own latest, {line[-1].name}."
+                        )
+                    result = [("resume", str(p), False) for p in reversed(line)]
+                    try:
+                        result.append(("resume", str(resolve_checkpoint(ck.resume_from)), True))
+                    except UserError:
+                        if not line:
+                            raise
                 elif found:
                     result = [("resume", str(p), False) for p in reversed(found)]
                 elif ck.init_from:
@@ -392,17 +433,42 @@ class Checkpointer:
                     f"weights initialised from {path} (checkpoint.init_from; optimizer and data start fresh)"
                 )
             return path
+        self._check_settings(path)
         self._dcp_load(dict(self.states), path)
         own = load_rank_state(rank_state_file(path, self.dist.rank, self.dist.world_size))
         for key, part in self.rank_states.items():
             part.load_state_dict(own[key])
         step = int(self.states["train"].state_dict()["step"])
         self._published = step
+        if self.cfg.resume_from:
+            self._started_from = resume_key(self.cfg.resume_from)
+            if self.dist.is_main and started_from(path) != self._started_from:
+                self._set_aside_later_steps(path, step)
+        else:
+            self._started_from = started_from(path)
         if self.dist.is_main:
             saved_by = read_meta(path)["world_size"]
             resharded = f" (saved by {saved_by} ranks, resharded)" if saved_by != self.dist.world_size else ""
             log.info(f"resumed from {path} at step {step}{resharded}")
         return path
+
+    def _set_aside_later_steps(self, start: Path, step: int) -> None:
+        """A run started from an earlier checkpoint than this folder's newest: the later ones continue
+        the line it went back from. Renamed `step-N.abandoned` (kept, never resumed from or pruned), so
+        a rerun resumes this run's own line, not that one."""
+        later = [p for p in published_checkpoints(self.root) if step_of(p) > step and p != start]
+        for path in later:
+            aside, n = path.with_name(f"{path.name}.abandoned"), 1
+            while aside.exists():  # an earlier going-back set one aside already: keep both
+                n += 1
+                aside = path.with_name(f"{path.name}.abandoned-{n}")
+            path.rename(aside)
+            log.warning(
+                f"{path} (after step {step}, where this run starts from {start}) was set aside as "
+                f"{aside.name}, not deleted: it continues the training this run went back from."
+            )
+        if later:
+            fsync_dir(self.root)
 
     def _check_identity(self, path: Path) -> None:
         """Refuse a checkpoint saved on top of something else than this run (another base model)."""
@@ -426,6 +492,25 @@ class Checkpointer:
             "on what they were trained on: set model.name_or_path (and model.lora) as in that run, or start "
             "a new output_dir."
         )
+
+    def _check_settings(self, path: Path) -> None:
+        """Refuse to resume a checkpoint saved with another model or optimizer (its config.yaml against
+        this run's; model.name_or_path is checked by its fingerprint, `_check_identity`)."""
+        saved = path / CONFIG
+        if self.config_yaml is None or not saved.is_file():
+            return
+        changed = [
+            d
+            for d in differences(saved.read_text(), self.config_yaml, STATE_SHAPING)
+            if not any(d.startswith((f"{k}:", f"{k}.")) for k in RESUME_MAY_CHANGE)
+        ]
+        if changed:
+            shown = "; ".join(changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
+            raise UserError(
+                f"Checkpoint '{path}' was saved by another model or optimizer than this run's: these settings "
+                f"changed since (saved -> now): {shown}. A run resumes the model it trained: set them back, or "
+                "start a new output_dir (checkpoint.init_from loads weights only, into the same model)."
+            )
 
     def _dcp_load(self, state: dict, path: Path) -> None:
         try:

@@ -39,29 +39,31 @@ def step_of(path: Path) -> int:
     return int(STEP_DIR.match(path.name).group(1))
 
 
-def is_complete(path: Path) -> bool:
-    """Published by rank 0: a `step-N` name, DCP's `.metadata` and our `muonrun.json`."""
-    return bool(STEP_DIR.match(path.name)) and (path / ".metadata").is_file() and (path / META).is_file()
+def is_published(path: Path) -> bool:
+    """A `step-N` folder: published by rank 0, which renames `step-N.tmp` only once every file and the
+    manifest are written. Whether its files are all still there and intact is for `verify` to say (a
+    published checkpoint with a file missing is damaged, never skipped in silence)."""
+    return bool(STEP_DIR.match(path.name)) and path.is_dir()
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under OUTPUT_DIR/checkpoints, oldest first."""
+def published_checkpoints(root: Path) -> list[Path]:
+    """The published checkpoints under OUTPUT_DIR/checkpoints, oldest first."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
+    return sorted((p for p in root.iterdir() if is_published(p)), key=step_of)
 
 
 def checkpoints_of(path: str | os.PathLike) -> list[Path]:
-    """Every complete checkpoint a path names, oldest first: itself (a step-N folder), or all those of a
-    run folder or its checkpoints folder. Raises a UserError saying what the path is instead."""
+    """Every published checkpoint a path names, oldest first: itself (a step-N folder), or all those of
+    a run folder or its checkpoints folder. Raises a UserError saying what the path is instead."""
     path = Path(path)
-    if is_complete(path):
+    if is_published(path):
         return [path]
     for root in (path / "checkpoints", path):
-        found = complete_checkpoints(root)
+        found = published_checkpoints(root)
         if found:
             return found
-    if path.name.endswith(".tmp") or (path.is_dir() and STEP_DIR.match(path.name)):
+    if path.name.endswith(".tmp"):
         raise UserError(
             f"Checkpoint '{path}' is incomplete (its save was interrupted); use an earlier step-N folder."
         )
@@ -82,7 +84,7 @@ def check_run_folder(out: Path) -> None:
     checkpoint damaged). Checked before any worker starts; raises UserError."""
     out = Path(out).resolve()
     for p in (out, *out.parents):
-        if is_complete(p) or (p.parent.name == "checkpoints" and STEP_DIR.match(p.name.split(".")[0])):
+        if is_published(p) or (p.parent.name == "checkpoints" and STEP_DIR.match(p.name.split(".")[0])):
             raise UserError(
                 f"output_dir '{out}' {'is' if p == out else 'is inside'} the checkpoint '{p}': a run there would write into that "
                 "checkpoint, which its own run then finds damaged. Set output_dir to a folder of its own "
@@ -90,7 +92,7 @@ def check_run_folder(out: Path) -> None:
             )
         run = p.parent
         if p.name == "checkpoints" and (
-            (run / CONFIG).is_file() or (run / "metrics.jsonl").is_file() or complete_checkpoints(p)
+            (run / CONFIG).is_file() or (run / "metrics.jsonl").is_file() or published_checkpoints(p)
         ):
             where = "is" if p == out else "is inside"
             raise UserError(
@@ -210,7 +212,9 @@ def prune(root: Path, keep_last: int, damaged: Iterable[Path] = ()) -> list[Path
     as their manifests say; `damaged` ones never count), so pruning never takes the last good
     checkpoint; damaged ones are left alone. Returns what was deleted."""
     damaged = set(damaged)
-    intact = [p for p in complete_checkpoints(root) if p not in damaged and verify(p, hash_contents=False).ok]
+    intact = [
+        p for p in published_checkpoints(root) if p not in damaged and verify(p, hash_contents=False).ok
+    ]
     if len(intact) <= keep_last:
         return []
     oldest_kept = step_of(intact[-keep_last])

@@ -182,7 +182,7 @@ class Supervisor:
 
     def _failed(self, entry: dict, status: int, killed: bool) -> None:
         """A worker exited with an error: announce the restart the agent makes of it, once per attempt."""
-        from muonrun.checkpoint import complete_checkpoints
+        from muonrun.checkpoint import published_checkpoints
 
         attempt = entry.get("attempt", 0)
         with self._lock:
@@ -195,7 +195,7 @@ class Supervisor:
         if entry.get("failure") and not killed:
             how += f": {entry['failure']}"
         who = f"worker rank {entry['rank']}" if "rank" in entry else "a worker"
-        found = complete_checkpoints(self.output_dir / "checkpoints")
+        found = published_checkpoints(self.output_dir / "checkpoints")
         resume = f"from {found[-1]}" if found else "from the start (no checkpoint yet)"
         log.warning(
             f"{who} failed ({how}); restarting the workers (restart {attempt + 1} of {self.max_restarts}), "
