@@ -5,6 +5,8 @@
     MUONRUN_FAULT=kill@save:8      rank 0 SIGKILLs itself in the middle of step 8's checkpoint save
     MUONRUN_FAULT=term@6           rank 0 sends SIGTERM to the launcher after step 6 (like a scheduler
                                    preempting the job: the launcher forwards it to every worker)
+    MUONRUN_FAULT=terms@6          the same, then again every 20 ms until rank 0 exits (a scheduler or a
+                                   user that repeats it, into the save and the workers' exit)
     MUONRUN_FAULT=int@6            rank 0 sends SIGINT to the launcher after step 6 (Ctrl-C); int2@6 twice
     MUONRUN_FAULT=hang@6           rank 0's step 6 lasts until a stop request reaches it (10 minutes at
                                    most): a very long step, for stop requests, kills and a second launch
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -28,12 +31,12 @@ ENV = "MUONRUN_FAULT"
 # muonrun.checkpoint.stop.LAUNCHER_PID_ENV, copied: importing it would be a cycle (muonrun.checkpoint
 # imports this module); tests/test_checkpoint.py checks the two are the same.
 LAUNCHER_PID_ENV = "MUONRUN_LAUNCHER_PID"
-_SPEC = re.compile(r"^(nan|kill|term|int|int2|hang)@(save:)?(\d+)(?::r(\d+))?$")
+_SPEC = re.compile(r"^(nan|kill|terms|term|int|int2|hang)@(save:)?(\d+)(?::r(\d+))?$")
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # nan | kill | term | int | int2 | hang
+    kind: str  # nan | kill | term | terms | int | int2 | hang
     step: int
     at_save: bool = False
     rank: int = 0
@@ -45,7 +48,7 @@ def parse(spec: str | None) -> Fault | None:
     m = _SPEC.match(spec.strip())
     if not m or (m.group(2) and m.group(1) != "kill"):
         raise ValueError(
-            f"{ENV}='{spec}' is not one of nan@STEP, kill@STEP, kill@save:STEP, term@STEP, int@STEP, "
+            f"{ENV}='{spec}' is not one of nan@STEP, kill@STEP, kill@save:STEP, term@STEP, terms@STEP, int@STEP, "
             "int2@STEP, hang@STEP (+ :rRANK)"
         )
     return Fault(m.group(1), int(m.group(3)), bool(m.group(2)), int(m.group(4) or 0))
@@ -69,7 +72,8 @@ def corrupt_loss(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
 
 
 def after_step(step: int, rank: int, stop_requested=lambda: False) -> None:
-    """`kill@STEP`, `term@STEP`, `int@STEP`, `int2@STEP` and `hang@STEP`, checked after step STEP's update.
+    """`kill@STEP`, `term@STEP`, `terms@STEP`, `int@STEP`, `int2@STEP` and `hang@STEP`, checked after step
+    STEP's update.
     `hang` waits (10 minutes at most) until `stop_requested()`: a step that takes long."""
     if _fires("kill", step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -80,10 +84,19 @@ def after_step(step: int, rank: int, stop_requested=lambda: False) -> None:
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, os.getpid()))
     if _fires("term", step, rank):
         os.kill(launcher, signal.SIGTERM)
+    if _fires("terms", step, rank):
+        threading.Thread(target=_repeat_term, args=(launcher,), daemon=True, name="muonrun-terms").start()
     for i in range(_fires("int", step, rank) + 2 * _fires("int2", step, rank)):
         if i:
             time.sleep(1.0)  # a signal sent while the same one is pending is merged into it
         os.kill(launcher, signal.SIGINT)
+
+
+def _repeat_term(launcher: int) -> None:
+    """SIGTERM to the launcher every 20 ms, until this process exits (a daemon thread)."""
+    while True:
+        os.kill(launcher, signal.SIGTERM)
+        time.sleep(0.02)
 
 
 def during_save(step: int, rank: int) -> None:

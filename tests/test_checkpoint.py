@@ -43,6 +43,7 @@ def test_fault_specs():
     assert faults.parse("nan@7") == faults.Fault("nan", 7)
     assert faults.parse("kill@save:8:r1") == faults.Fault("kill", 8, at_save=True, rank=1)
     assert faults.parse("term@6") == faults.Fault("term", 6)
+    assert faults.parse("terms@6:r1") == faults.Fault("terms", 6, rank=1)
     assert faults.parse(None) is None
     for bad in ("nan@save:3", "boom@1", "kill@x"):
         with pytest.raises(ValueError, match="MUONRUN_FAULT"):
@@ -160,9 +161,10 @@ def test_crash_mid_save_then_preemption_then_exact_resume(adamw_ref, tmp_path):
     assert crashed.returncode != 0
     assert steps_of(out) == [2] and (out / "checkpoints" / "step-4.tmp").is_dir()
     # 2. The next run deletes the partial save, resumes from step-2 and is preempted: the launcher gets
-    #    SIGTERM after step 5, forwards it, and the workers save at the step they agree on and exit 0.
-    text = ok(pretrain(out, *ckpt, fault="term@5"))
-    assert "resumed from" in text and "step-2 at step 2" in text
+    #    SIGTERM after step 5, and again every 20 ms until the end; it forwards it once, and the workers
+    #    save at the step they agree on and exit 0, neither killed by a repeat nor restarted.
+    text = ok(pretrain(out, *ckpt, fault="terms@5", extra=("--max-restarts", "1")))
+    assert "resumed from" in text and "step-2 at step 2" in text and "restarting" not in text
     stopped = max(losses(out))
     assert stopped >= 5 and f"Stopped by signal after step {stopped}" in text
     assert steps_of(out) == [4, stopped]

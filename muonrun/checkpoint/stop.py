@@ -83,6 +83,18 @@ def record_early() -> None:
                 signal.signal(sig, _record_early)
 
 
+def ignore_stop_requests() -> None:
+    """Once training has ended (finished, or saved and stopped), a stop request has nothing left to ask
+    for: ignored from now on. Left to their default action, which interpreter teardown restores for
+    every signal a Python handler had, a repeated SIGTERM during teardown (a scheduler's, or a user's
+    second kill) would turn a clean stop into a death by signal, and a launcher with restarts left
+    would restart the workers."""
+    for sig in STOP_SIGNALS:
+        if sig != signal.SIGINT:  # Ctrl-C: a worker ignores it already; a lone process keeps it
+            with contextlib.suppress(ValueError):
+                signal.signal(sig, signal.SIG_IGN)
+
+
 class StopFlag:
     """Signal handlers that record a stop request. Previous handlers come back on `restore()`."""
 

@@ -3,7 +3,8 @@ signals, reports, and the restart message. Public API only: torch's agent is sta
 `elastic_launch` and never patched.
 
 - SIGTERM, SIGUSR1 (a scheduler's preemption) and SIGHUP (a closed terminal) are passed on to the
-  workers, which save a checkpoint within two steps and exit 0. Ctrl-C: the first does the
+  workers, once (repeats change nothing; workers a restart starts after it get it too), which save a
+  checkpoint within two steps and exit 0. Ctrl-C: the first does the
   same, the second stops at once. SIGQUIT stops at once, without saving. The workers are this
   process's children (`multiprocessing.active_children()`), since the agent runs in this process.
 - A worker that reports a user mistake or a non-finite step (muonrun/launch/worker.py) sends SIGUSR2:
@@ -74,7 +75,7 @@ class Supervisor:
         self.control, self.output_dir, self.max_restarts = control, output_dir, max_restarts
         self.stopping = False  # the launcher stops the workers itself: their exits are not failures
         self._interrupts = 0
-        self._said: set[int] = set()
+        self._stop_signal: int | None = None  # the stop request passed on to the workers, once
         self._previous: dict[int, object] = {}
         self._done = threading.Event()
         self._watch = threading.Thread(target=self._watch_exits, daemon=True, name="muonrun-watch")
@@ -108,14 +109,17 @@ class Supervisor:
     # -- signals (run in the main thread, between the agent's own steps)
 
     def _stop_request(self, signum, frame) -> None:
+        """Passed on once: the workers need one request, and a repeat that reached a worker already
+        past its save would only disturb its exit."""
         if signum == signal.SIGHUP:
             detach_from_terminal()
-        if signum not in self._said:
-            self._said.add(signum)
-            log.info(
-                f"got {signal.Signals(signum).name}: the workers save a checkpoint within two steps (the "
-                "ranks agree on one first), then stop."
-            )
+        if self._stop_signal is not None:
+            return
+        self._stop_signal = signum
+        log.info(
+            f"got {signal.Signals(signum).name}: the workers save a checkpoint within two steps (the "
+            "ranks agree on one first), then stop."
+        )
         _forward(signum)
 
     def _interrupt(self, signum, frame) -> None:
@@ -127,7 +131,9 @@ class Supervisor:
                 "Ctrl-C: the workers save a checkpoint within two steps, then stop "
                 "(Ctrl-C again stops at once, without saving)."
             )
-            _forward(signal.SIGTERM)
+            if self._stop_signal is None:
+                self._stop_signal = signal.SIGTERM
+                _forward(signal.SIGTERM)
             return
         self._stop_now()
         raise KeyboardInterrupt
@@ -163,6 +169,9 @@ class Supervisor:
                     if path.name.isdigit() and int(path.name) not in watched:
                         watched.add(int(path.name))
                         threading.Thread(target=self._wait_for, args=(int(path.name),), daemon=True).start()
+                        if self._stop_signal is not None:  # started (restarted) after the stop request
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(int(path.name), self._stop_signal)
 
     def _wait_for(self, pid: int) -> None:
         """Block until worker `pid` exits and read how, leaving it for the agent to reap (WNOWAIT). The

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from muonrun import log
-from muonrun.checkpoint.stop import LAUNCHER_PID_ENV, record_early
+from muonrun.checkpoint.stop import LAUNCHER_PID_ENV, ignore_stop_requests, record_early
 from muonrun.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -51,6 +51,7 @@ def worker_entry(config_yaml: str) -> None:
     code, message = 0, ""
     try:
         record(run_worker)(config_yaml)
+        ignore_stop_requests()
     except (UserError, NonFiniteError) as e:
         code, message = (USER_ERROR_EXIT if isinstance(e, UserError) else NON_FINITE_EXIT), str(e)
     except BaseException as e:
