@@ -334,12 +334,19 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path, reseal):
             ((str(tmp_path / "nowhere"), str(tmp_path / "y")), "not a muonrun checkpoint"),
             ((str(step), str(hf)), "not empty"),
             ((str(step), str(hf / "config.json")), "is a file"),
+            ((str(step), str(adamw_ref / "checkpoints" / "step-100")), "is the checkpoint"),  # a run's own
         ):
             result = runner.invoke(app, ["export", *args])
             assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
             assert "Traceback" not in result.output
     finally:
         shutil.rmtree(partial)
+    # a symlink to an empty folder: the export goes where it points, and the link still names it
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    result = runner.invoke(app, ["export", str(step), str(tmp_path / "link")])
+    assert result.exit_code == 0 and (tmp_path / "link").is_symlink(), result.output
+    assert (tmp_path / "empty" / "config.json").is_file()
 
 
 @pytest.mark.slow

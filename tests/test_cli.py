@@ -60,10 +60,15 @@ def test_config_docs_is_a_reference():
             ["pretrain", "tiny", "--dry-run", "model.name_or_path=no-such-org/no-such-model"],
             "could not be loaded",
         ),
-        # nan and inf pass every range check: refused by key wherever they are
+        # nan and inf pass every range check: refused by key wherever they are, as is what float32 cannot hold
         (["pretrain", "tiny", "--dry-run", "optimizer.lr=nan"], "'optimizer.lr' is nan; it must be a finite"),
         (["pretrain", "tiny", "--dry-run", "optimizer.muon.lr=inf"], "'optimizer.muon.lr' is inf"),
         (["pretrain", "tiny", "--dry-run", "+model.hf.rope_theta=-.inf"], "'model.hf.rope_theta' is -inf"),
+        # finite, but no float32 holds it: the optimizer's first step would fail
+        (
+            ["pretrain", "tiny", "--dry-run", "optimizer.lr=1e40"],
+            "'optimizer.lr' is 1e+40; it must be a finite number within float32",
+        ),
         (
             ["pretrain", "tiny", "--dry-run", "optimizer.muon.ns_steps=0"],
             "at least 1 Newton–Schulz iteration",

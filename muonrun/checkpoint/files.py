@@ -40,10 +40,13 @@ def step_of(path: Path) -> int:
 
 
 def is_published(path: Path) -> bool:
-    """A `step-N` folder: published by rank 0, which renames `step-N.tmp` only once every file and the
-    manifest are written. Whether its files are all still there and intact is for `verify` to say (a
-    published checkpoint with a file missing is damaged, never skipped in silence)."""
-    return bool(STEP_DIR.match(path.name)) and path.is_dir()
+    """A `step-N` folder in a `checkpoints` folder (or elsewhere, with a checkpoint's files): published by
+    rank 0, which renames `step-N.tmp` only once every file and the manifest are written. Whether its
+    files are all still there and intact is for `verify` to say (a published checkpoint with a file
+    missing is damaged, never skipped in silence)."""
+    if not (STEP_DIR.match(path.name) and path.is_dir()):
+        return False
+    return path.parent.name == "checkpoints" or (path / META).exists() or (path / ".metadata").exists()
 
 
 def published_checkpoints(root: Path) -> list[Path]:
@@ -78,17 +81,18 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return checkpoints_of(path)[-1]
 
 
-def check_run_folder(out: Path) -> None:
-    """A run's output_dir must not lie inside a checkpoint or another run's `checkpoints/` folder: the run
-    would write into what the other run verifies, prunes and resumes from (which then calls its
-    checkpoint damaged). Checked before any worker starts; raises UserError."""
+def check_run_folder(out: Path, key: str = "output_dir") -> None:
+    """A run's output_dir (or an export's folder, `key`) must not lie inside a checkpoint or another run's
+    `checkpoints/` folder: it would write into what that run verifies, prunes and resumes from (which
+    then calls its checkpoint damaged, or replaces what was written). Checked before any worker starts;
+    raises UserError."""
     out = Path(out).resolve()
     for p in (out, *out.parents):
         if is_published(p) or (p.parent.name == "checkpoints" and STEP_DIR.match(p.name.split(".")[0])):
             raise UserError(
-                f"output_dir '{out}' {'is' if p == out else 'is inside'} the checkpoint '{p}': a run there would write into that "
-                "checkpoint, which its own run then finds damaged. Set output_dir to a folder of its own "
-                "(beside that run, not in it)."
+                f"{key} '{out}' {'is' if p == out else 'is inside'} the checkpoint '{p}': writing there would "
+                "go into that checkpoint, which its own run then finds damaged. Set "
+                f"{key} to a folder of its own (beside that run, not in it)."
             )
         run = p.parent
         if p.name == "checkpoints" and (
@@ -96,9 +100,9 @@ def check_run_folder(out: Path) -> None:
         ):
             where = "is" if p == out else "is inside"
             raise UserError(
-                f"output_dir '{out}' {where} the checkpoints folder of the run in '{run}': a run there would "
-                "mix its files with that run's checkpoints. Set output_dir to a folder of its own (beside that "
-                "run, not in it)."
+                f"{key} '{out}' {where} the checkpoints folder of the run in '{run}': writing there would mix "
+                f"its files with that run's checkpoints (which it prunes and replaces). Set {key} to a folder of "
+                "its own (beside that run, not in it)."
             )
 
 

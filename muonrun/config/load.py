@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import re
 import sysconfig
@@ -298,14 +297,20 @@ def choices(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
     return out
 
 
+# The largest float32: every number in the config becomes a float32 scalar or tensor somewhere (a
+# learning rate in the optimizer's state), which fails on a larger one only once training has started.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _non_finite(node: Any, key: str = "") -> tuple[str, float] | None:
-    """The first float in a resolved config tree that is nan or inf, with its dotted key."""
+    """The first float in a resolved config tree that is nan, inf or beyond float32's range, with its
+    dotted key."""
     if isinstance(node, dict):
         items = node.items()
     elif isinstance(node, list):
         items = enumerate(node)
     else:
-        return (key, node) if isinstance(node, float) and not math.isfinite(node) else None
+        return (key, node) if isinstance(node, float) and not abs(node) <= FLOAT32_MAX else None
     for k, v in items:
         found = _non_finite(v, f"{key}.{k}" if key else str(k))
         if found:
@@ -320,7 +325,10 @@ def validate(cfg: DictConfig) -> Config:
     # nan and inf pass every range check (a comparison with nan is False), so they are refused here, once
     found = _non_finite(OmegaConf.to_container(cfg, resolve=True))
     if found:
-        raise UserError(f"Config key '{found[0]}' is {found[1]}; it must be a finite number.")
+        raise UserError(
+            f"Config key '{found[0]}' is {found[1]}; it must be a finite number within float32's range "
+            f"(at most {FLOAT32_MAX:.4g} in magnitude)."
+        )
     if not c.data.sources:
         raise UserError("Config key 'data.sources' is empty; list at least one source with a `path`.")
     for group in ("sources", "eval_sources"):

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import torch
 
-from muonrun.checkpoint import CONFIG, load_model_tensors, read_meta, resolve_checkpoint, verify
+from muonrun.checkpoint import (
+    CONFIG,
+    check_run_folder,
+    load_model_tensors,
+    read_meta,
+    resolve_checkpoint,
+    verify,
+)
 from muonrun.config import Config
 from muonrun.errors import UserError
 from muonrun.features import ExportJob, enabled
@@ -37,7 +44,8 @@ def read_run_config(checkpoint: Path) -> Config:
 
 
 def check_export_folder(out: Path) -> None:
-    """The export goes into a new folder (or an empty one)."""
+    """The export goes into a new folder (or an empty one), not into a run's checkpoints."""
+    check_run_folder(out, "Export folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"Export folder '{out}' is a file; give the path of a new folder.")
     if out.exists() and any(out.iterdir()):
@@ -123,6 +131,8 @@ def export_hf(
     if not verdict.ok:
         raise verdict.error()
     out = Path(out)
+    if out.is_symlink():  # written where the link points, which it keeps naming
+        out = out.resolve()
     check_export_folder(out)
     # Written beside `out` and renamed into place once complete: a failed export leaves nothing behind.
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
