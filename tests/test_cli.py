@@ -64,6 +64,38 @@ def test_config_docs_is_a_reference():
         (["pretrain", "tiny", "--dry-run", "optimizer.lr=nan"], "'optimizer.lr' is nan; it must be a finite"),
         (["pretrain", "tiny", "--dry-run", "optimizer.muon.lr=inf"], "'optimizer.muon.lr' is inf"),
         (["pretrain", "tiny", "--dry-run", "+model.hf.rope_theta=-.inf"], "'model.hf.rope_theta' is -inf"),
+        # a '+' adds keys to open sections only: in a list's entry a typo is still a typo
+        (
+            ["pretrain", "tiny", "--dry-run", "+data.sources.0.wieght=5"],
+            "Did you mean 'data.sources.0.weight'?",
+        ),
+        # sections given the wrong shape, keys OmegaConf cannot look up, interpolations: one sentence each
+        (["pretrain", "tiny", "--dry-run", "model.hf=[1]"], "gives a section the wrong shape"),
+        (["pretrain", "tiny", "--dry-run", "train=5"], "(a section takes a mapping of its keys)"),
+        (["pretrain", "tiny", "--dry-run", "data.sources[a].path=x"], "names no config key"),
+        (
+            ["pretrain", "tiny", "--dry-run", "name=${oops}"],
+            "'name' cannot be resolved: Interpolation key 'oops' not found.",
+        ),
+        # ranges a worker would otherwise meet late (the first eval, the optimizer's constructor, the end)
+        (
+            ["pretrain", "tiny", "--dry-run", "train.eval_steps=0"],
+            "'train.eval_steps' is 0; it must be at least 1",
+        ),
+        (
+            ["pretrain", "tiny", "--dry-run", "optimizer.muon.momentum=1.5"],
+            "'optimizer.muon.momentum' is 1.5; it must be in [0, 1)",
+        ),
+        (
+            ["pretrain", "tiny", "--dry-run", "optimizer.eps=-1"],
+            "'optimizer.eps' is -1.0; it must be positive",
+        ),
+        (["pretrain", "tiny", "--dry-run", "schedule.decay_fraction=2"], "it must be in (0, 1]"),
+        (["pretrain", "tiny", "--dry-run", "logging.peak_tflops=-1"], "'logging.peak_tflops' is -1.0"),
+        (
+            ["pretrain", "tiny", "--dry-run", "--max-restarts", "-1"],
+            "'launch.max_restarts' is -1; it must not be negative",
+        ),
         # finite, but no float32 holds it: the optimizer's first step would fail
         (
             ["pretrain", "tiny", "--dry-run", "optimizer.lr=1e40"],

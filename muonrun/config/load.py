@@ -83,6 +83,11 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     bases = node.pop("defaults", [])
     if isinstance(bases, str):
         bases = [bases]
+    if not isinstance(bases, (list, ListConfig)):
+        raise UserError(
+            f"Config file '{path}' has `defaults: {bases}`; give a preset name or a list of them "
+            "(defaults: [tiny])."
+        )
     layers = []
     for base in bases:
         relative = path.parent / (base if str(base).endswith(".yaml") else f"{base}.yaml")
@@ -93,7 +98,10 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
                 f"is it a built-in preset ({', '.join(preset_names())})."
             )
         layers.append(_load_yaml(base_path, (*seen, path)))
-    return OmegaConf.merge(*layers, node) if layers else node
+    if not layers:
+        return node
+    base = layers[0] if len(layers) == 1 else _merge(layers[0], OmegaConf.merge(*layers[1:]), f"'{path}'")
+    return _merge(base, node, f"'{path}'")
 
 
 _INDEX = re.compile(r"\[(\d+)\]")
@@ -139,9 +147,21 @@ def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
     return ""
 
 
+def _first_line(e: Exception) -> str:
+    """An OmegaConf error's own sentence, without the lines of context it appends."""
+    text = getattr(e, "msg", None) or str(e)
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
 def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, layer)
+    except TypeError as e:  # a mapping where a list belongs, or the reverse (OmegaConf's own TypeError)
+        raise UserError(
+            f"Config {source} gives a section the wrong shape ({_first_line(e)}): a section such as model.hf "
+            "or train is a mapping of keys, a list such as data.sources is a list; `muonrun config show` "
+            "prints the expected shape."
+        ) from None
     except ConfigKeyError as e:
         key = e.full_key or str(e.key)
         raise UserError(f"Unknown config key '{key}' in {source}.{_did_you_mean(base, key)}") from None
@@ -152,12 +172,16 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
             raise UserError(
                 f"Config key '{e.full_key}' is '{value}'; choose one of: {', '.join(allowed)} (set in {source})."
             ) from None
+        if not e.full_key:  # a whole section given a number or a list
+            raise UserError(
+                f"Config {source} has the wrong type: {_first_line(e)} (a section takes a mapping of its keys)."
+            ) from None
         raise UserError(
-            f"Config key '{e.full_key}' in {source} has the wrong type: {e.msg.splitlines()[0]}."
+            f"Config key '{e.full_key}' in {source} has the wrong type: {_first_line(e)}."
         ) from None
     except OmegaConfBaseException as e:
         raise UserError(
-            f"Config {source} could not be merged at '{getattr(e, 'full_key', '?')}': {e.msg}."
+            f"Config {source} could not be merged at '{getattr(e, 'full_key', '?')}': {_first_line(e)}."
         ) from None
 
 
@@ -182,17 +206,17 @@ def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConf
             list_key = ".".join(parts[: i + 1])
             raise UserError(
                 f"Config key '{list_key}' is a list of {len(node)} entries, so {source} names no entry "
-                f"(indices 0..{len(node) - 1}). Replace the whole list instead, e.g. "
-                f"{list_key}=[{{path: my.jsonl}}]."
+                f"(indices 0..{len(node) - 1}). Replace the whole list instead ({list_key}=[...])."
             )
-    if not add and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+    in_list = any(part.isdigit() for part in parts)  # a list's entries have fixed keys: '+' adds none
+    if (not add or in_list) and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
         hint = _did_you_mean(cfg, key) or (
             " Prefix it with '+' to add a transformers config key (+model.hf.KEY=value)."
             if key.startswith("model.hf.")
             else " `muonrun config docs` lists every key."
         )
         raise UserError(f"Unknown config key '{key}' in {source}.{hint}")
-    if not any(part.isdigit() for part in key.split(".")):
+    if not in_list:
         try:
             layer = OmegaConf.from_dotlist([f"{key}={text}"])
         except Exception as e:  # yaml's scanner errors: a `:` or `{` inside an unquoted value
@@ -205,11 +229,9 @@ def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConf
     try:
         OmegaConf.update(cfg, key, value, merge=False, force_add=add)
     except ValidationError as e:
-        raise UserError(
-            f"Config key '{key}' in {source} has the wrong type: {e.msg.splitlines()[0]}."
-        ) from None
+        raise UserError(f"Config key '{key}' in {source} has the wrong type: {_first_line(e)}.") from None
     except OmegaConfBaseException as e:
-        raise UserError(f"Config {source} could not be applied: {e.msg.splitlines()[0]}.") from None
+        raise UserError(f"Config {source} could not be applied: {_first_line(e)}.") from None
     return cfg
 
 
@@ -230,7 +252,10 @@ def load_config(
         OmegaConf.update(cfg, key, value)
     cfg = _merge(cfg, _load_yaml(path), f"'{path}'")
     for key, value, add in _parse_overrides(list(overrides)):
-        cfg = _apply_override(cfg, key, value, add)
+        try:
+            cfg = _apply_override(cfg, key, value, add)
+        except OmegaConfBaseException as e:  # a key OmegaConf cannot even look up (data.sources[a].path)
+            raise UserError(f"Override '{key}={value}' names no config key: {_first_line(e)}.") from None
     return validate(cfg)
 
 
@@ -240,7 +265,9 @@ def _typed(cfg: DictConfig) -> Config:
     try:
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
-        raise UserError(f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {e.msg}.") from None
+        raise UserError(
+            f"Config key '{getattr(e, 'full_key', '?')}' cannot be resolved: {_first_line(e)}."
+        ) from None
 
 
 def from_yaml(text: str, source: str = "from the launcher") -> Config:

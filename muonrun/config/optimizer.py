@@ -72,6 +72,12 @@ class MuonConfig:
 
     def __post_init__(self) -> None:
         not_negative(**{"optimizer.muon.lr": self.lr})
+        if self.weight_decay is not None:
+            not_negative(**{"optimizer.muon.weight_decay": self.weight_decay})
+        if not 0.0 <= self.momentum < 1.0:  # at 1 or more the momentum buffer grows without bound
+            raise UserError(f"Config key 'optimizer.muon.momentum' is {self.momentum}; it must be in [0, 1).")
+        if self.eps <= 0:
+            raise UserError(f"Config key 'optimizer.muon.eps' is {self.eps}; it must be positive.")
         if self.ns_steps < 1:  # zero iterations would train with unorthogonalized momentum as "Muon"
             raise UserError(
                 f"Config key 'optimizer.muon.ns_steps' is {self.ns_steps}; Muon needs at least 1 Newton–Schulz "
@@ -100,6 +106,8 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         not_negative(**{"optimizer.lr": self.lr, "optimizer.weight_decay": self.weight_decay})
+        if self.eps <= 0:
+            raise UserError(f"Config key 'optimizer.eps' is {self.eps}; it must be positive.")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise UserError(
                 f"Config key 'optimizer.betas' is {list(self.betas)}; give two numbers in [0, 1)."

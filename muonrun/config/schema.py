@@ -155,6 +155,10 @@ class ScheduleConfig:
 
     def __post_init__(self) -> None:
         not_negative(**{"schedule.warmup_steps": self.warmup_steps})
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise UserError(
+                f"Config key 'schedule.decay_fraction' is {self.decay_fraction}; it must be in (0, 1]."
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UserError(
                 f"Config key 'schedule.min_lr_ratio' is {self.min_lr_ratio}; it must be in [0, 1]."
@@ -277,9 +281,16 @@ class TrainConfig:
                 "train.max_steps": self.max_steps,
                 "train.micro_batch_size": self.micro_batch_size,
                 "train.grad_accum_steps": self.grad_accum_steps,
+                "train.eval_steps": self.eval_steps,
             },
         )
-        not_negative(**{"train.grad_clip": self.grad_clip, "train.eval_interval": self.eval_interval})
+        not_negative(
+            **{
+                "train.grad_clip": self.grad_clip,
+                "train.eval_interval": self.eval_interval,
+                "train.loss_chunk_tokens": self.loss_chunk_tokens,
+            }
+        )
         if self.router_aux_loss_coef is not None:
             not_negative(**{"train.router_aux_loss_coef": self.router_aux_loss_coef})
         not_negative(
@@ -356,6 +367,11 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         at_least(1, **{"logging.log_interval": self.log_interval})
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise UserError(
+                f"Config key 'logging.peak_tflops' is {self.peak_tflops}; it must be positive (or null: "
+                "the built-in table)."
+            )
 
 
 @dataclass
@@ -383,6 +399,7 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         at_least(1, **{"launch.nnodes": self.nnodes})
+        not_negative(**{"launch.max_restarts": self.max_restarts})
         if self.nproc_per_node is not None:
             at_least(1, **{"launch.nproc_per_node": self.nproc_per_node})
         if not 0 <= self.node_rank < self.nnodes:
