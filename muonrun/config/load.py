@@ -206,7 +206,8 @@ def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConf
             list_key = ".".join(parts[: i + 1])
             raise UserError(
                 f"Config key '{list_key}' is a list of {len(node)} entries, so {source} names no entry "
-                f"(indices 0..{len(node) - 1}). Replace the whole list instead ({list_key}=[...])."
+                f"(indices 0..{len(node) - 1}). Replace the whole list instead ({list_key}="
+                f"{'[{path: my.jsonl}]' if list_key.endswith('sources') else '[...]'})."
             )
     in_list = any(part.isdigit() for part in parts)  # a list's entries have fixed keys: '+' adds none
     if (not add or in_list) and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
