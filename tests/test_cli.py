@@ -96,6 +96,19 @@ def test_config_docs_is_a_reference():
             ["pretrain", "tiny", "--dry-run", "--max-restarts", "-1"],
             "'launch.max_restarts' is -1; it must not be negative",
         ),
+        # model settings transformers cannot build with, or a model without layers: named, before any worker
+        (
+            ["pretrain", "tiny", "--dry-run", "model.hf.num_attention_heads=0"],
+            "do not build a qwen2: ZeroDivisionError",
+        ),
+        (
+            ["pretrain", "tiny", "--dry-run", "+model.hf.hidden_act=foo"],
+            "do not build a qwen2: KeyError: 'foo'. Fix model.hf",
+        ),
+        (
+            ["pretrain", "tiny", "--dry-run", "model.hf.num_hidden_layers=0"],
+            "no decoder layers (Qwen2DecoderLayer)",
+        ),
         # finite, but no float32 holds it: the optimizer's first step would fail
         (
             ["pretrain", "tiny", "--dry-run", "optimizer.lr=1e40"],

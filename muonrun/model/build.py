@@ -174,6 +174,7 @@ def check_model(
     hf = build_hf_config(m, vocab_size)
     check_positions(hf, seq_len)
     model = build_model(m, hf, features)
+    decoder_layers(model)  # what the workers shard one by one
     with torch.device("meta"), meta_safe_experts(model):
         ids = torch.zeros(1, max(2, min(seq_len, 8)), dtype=torch.long)
         try:
@@ -209,21 +210,45 @@ def build_model(m: ModelConfig, hf_config, features: list[Feature] = ()) -> nn.M
                 dtype=torch.float32,
                 trust_remote_code=m.trust_remote_code,
             )
-        except (ValueError, ImportError) as e:
-            raise UserError(
-                f"model.attn_implementation '{m.attn_implementation}' cannot be used: {e}"
-            ) from None
+        except Exception as e:  # noqa: BLE001 (building from the user's settings: any failure is theirs)
+            raise UserError(build_failure(m, hf_config, e)) from None
     use_mask_free_sdpa(model, m)
     for feature in features:
         feature.adapt(model)
     return model
 
 
+def build_failure(m: ModelConfig, hf_config, e: Exception) -> str:
+    """What a failed `AutoModelForCausalLM.from_config` says: another kind of model, an attention
+    implementation this machine lacks, or settings the architecture cannot be built with."""
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    if "Unrecognized configuration class" in first:
+        return (
+            f"model.architecture '{m.architecture}' is not a causal language model (transformers' "
+            "AutoModelForCausalLM does not build it); choose a decoder such as qwen2, llama or qwen2_moe."
+        )
+    if isinstance(e, (ValueError, ImportError)) and ("attn" in first or "attention" in first.lower()):
+        return f"model.attn_implementation '{m.attn_implementation}' cannot be used: {first}"
+    return (
+        f"The model settings (model.hf / model.name_or_path) do not build a {hf_config.model_type}: "
+        f"{type(e).__name__}: {first.rstrip('.')}. Fix model.hf (`muonrun config show` prints what is set)."
+    )
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks, found by the model's own `_no_split_modules` class names."""
     names = {n for mod in model.modules() for n in (getattr(mod, "_no_split_modules", None) or [])}
     layers = [mod for mod in model.modules() if type(mod).__name__ in names]
-    assert layers, f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder layers"
+    if not names:
+        raise UserError(
+            f"{type(model).__name__} declares no _no_split_modules, so muonrun cannot find its decoder "
+            "layers to shard and compile one by one; use an architecture transformers declares them for."
+        )
+    if not layers:
+        raise UserError(
+            f"The model has no decoder layers ({', '.join(sorted(names))}): set model.hf.num_hidden_layers "
+            "to at least 1."
+        )
     return layers
 
 
