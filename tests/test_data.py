@@ -934,3 +934,26 @@ def test_cli_prepare_missing_text_field_exits_2_without_traceback(tmp_path):
     result = CliRunner().invoke(app, [*args, "data.skip_bad_records=true", "data.seq_len=8"])
     assert result.exit_code == 0, result.output
     assert "skipped 8 of 40 records" in " ".join(result.output.split())
+
+
+def test_a_token_cache_that_cannot_be_written_exits_2_before_anything_runs(tmp_path):
+    """data.cache_dir under a file (or not writable): named by prepare and by pretrain before any worker
+    starts, and nothing is created."""
+    from typer.testing import CliRunner
+
+    from muonrun.cli import app
+
+    (tmp_path / "afile").write_text("")
+    for command, cache in (("prepare", tmp_path / "afile"), ("pretrain", tmp_path / "afile" / "sub")):
+        args = [
+            command,
+            "tiny",
+            f"data.cache_dir={cache}",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+        ]
+        result = CliRunner().invoke(app, args)
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"The token cache '{cache}' cannot be used" in text and "Set data.cache_dir" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

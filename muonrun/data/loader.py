@@ -24,6 +24,7 @@ once early for a long pass). A streaming source checks each block as it reads it
 
 from __future__ import annotations
 
+import os
 from itertools import islice
 
 import numpy as np
@@ -233,6 +234,7 @@ def check_data(cfg):
     from muonrun.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer(_tokenizer_name(cfg))
+    check_cache_folder(cfg.data)
     if cfg.data.shuffle_buffer < 1:
         raise UserError(
             f"Config key 'data.shuffle_buffer' is {cfg.data.shuffle_buffer}; it must be at least 1."
@@ -248,12 +250,32 @@ def check_data(cfg):
     return tok
 
 
+def check_cache_folder(data_cfg) -> None:
+    """The token cache (data.cache_dir, MUONRUN_CACHE or ~/.cache/muonrun) must be a folder this user can
+    write, or be creatable as one: checked without creating anything."""
+    from muonrun.data.cache import cache_root
+
+    root = cache_root(data_cfg)
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    problem = None
+    if existing is not None and not existing.is_dir():
+        problem = f"'{existing}' is a file" if existing != root else "it is a file"
+    elif existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"'{existing}' is not writable by this user"
+    if problem:
+        raise UserError(
+            f"The token cache '{root}' cannot be used: {problem}. Set data.cache_dir (or MUONRUN_CACHE) to "
+            "a folder you can write."
+        )
+
+
 def prepare(cfg):
     """Tokenize and cache every map-style source (train and eval) now; returns the cache folder."""
     from muonrun.data.cache import cache_root
     from muonrun.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer(_tokenizer_name(cfg))
+    check_cache_folder(cfg.data)
     splits = ["train"] + (["eval"] if cfg.data.eval_sources else [])
     for split in splits:
         for key, src in named_sources(cfg, split):
