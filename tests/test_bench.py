@@ -73,6 +73,13 @@ def test_repeats_run_round_robin_and_report_median_and_range(tmp_path, monkeypat
     assert out["b"]["overrides"] == ["optimizer.name=muon"]
     with pytest.raises(UserError, match="must differ"):
         run_bench("tiny", [], ["a", "a:optimizer.name=muon"], 2, 1, tmp_path)
+    # a later variant's mistake is found before the first variant runs; so are impossible step counts
+    launched.clear()
+    with pytest.raises(UserError, match="Unknown config key 'optimizer.nmae'"):
+        run_bench("tiny", [], ["a", "b:optimizer.nmae=muon"], 2, 1, tmp_path)
+    with pytest.raises(UserError, match="--steps is 0"):
+        run_bench("tiny", [], ["a"], 0, 1, tmp_path)
+    assert launched == []
 
 
 def test_results_table_keeps_whole_names_in_a_log_file(capsys):

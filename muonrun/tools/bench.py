@@ -46,7 +46,11 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
     """`name` or `name:key=value,key=value`."""
     name, _, rest = spec.partition(":")
     if not name or any(not part or "=" not in part for part in rest.split(",") if rest):
-        raise UserError(f"--variant '{spec}' is malformed: write NAME or NAME:key=value,key=value.")
+        raise UserError(
+            f"--variant '{spec}' is malformed: write NAME or NAME:key=value,key=value (commas separate the "
+            "overrides, so a value cannot hold one: give a list such as optimizer.betas as a common override "
+            "after the preset)."
+        )
     return name, [part for part in rest.split(",") if part]
 
 
@@ -96,6 +100,24 @@ def run_bench(
         raise UserError(f"Variant names must differ (got {', '.join(names)}): each names its own run folder.")
     if repeat < 1:
         raise UserError(f"--repeat is {repeat}; it must be at least 1.")
+    if steps < 1 or warmup < 0:
+        raise UserError(f"--steps is {steps} and --warmup {warmup}: measure at least 1 step after 0 or more.")
+
+    def config(name: str, extra: list[str], run_dir: Path):
+        return load_config(
+            preset,
+            [
+                *overrides,
+                *extra,
+                *BENCH_OVERRIDES,
+                f"train.max_steps={warmup + steps}",
+                f"output_dir={run_dir}",
+                f"name={name}",
+            ],
+        )
+
+    for name, extra in specs:  # every variant's mistakes before the first one runs
+        config(name, extra, out_dir / name)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     failed: dict[str, dict] = {}
     # Round-robin, not variant after variant: a machine that drifts during the call (two runs of one
@@ -107,18 +129,7 @@ def run_bench(
             run_dir = out_dir / (name if repeat == 1 else f"{name}-{r + 1}")
             metrics = run_dir / "metrics.jsonl"
             metrics.unlink(missing_ok=True)
-            cfg = load_config(
-                preset,
-                [
-                    *overrides,
-                    *extra,
-                    *BENCH_OVERRIDES,
-                    f"train.max_steps={warmup + steps}",
-                    f"output_dir={run_dir}",
-                    f"name={name}",
-                ],
-            )
-            code = launch(cfg)
+            code = launch(config(name, extra, run_dir))
             if code:
                 failed[name] = {"error": f"exit code {code}"}
                 continue
