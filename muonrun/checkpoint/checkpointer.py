@@ -39,7 +39,6 @@ from muonrun.checkpoint.files import (
     CONFIG,
     META,
     STEP_DIR,
-    DamagedCheckpoint,
     Verdict,
     fsync_dir,
     hash_files,
@@ -48,33 +47,22 @@ from muonrun.checkpoint.files import (
     read_meta,
     resolve_checkpoint,
     seal,
-    step_of,
     verify,
     write_synced,
 )
+from muonrun.checkpoint.resume import (
+    changed_settings,
+    check_identity,
+    check_settings,
+    resume_key,
+    set_aside_later_steps,
+    started_from,
+)
 from muonrun.checkpoint.safe import load_rank_state, safe_load
 from muonrun.checkpoint.stop import StopFlag
-from muonrun.config import CheckpointConfig, differences
+from muonrun.config import CheckpointConfig
 from muonrun.distributed import Dist
 from muonrun.errors import UserError
-
-# The settings that decide which tensors a checkpoint holds, and their shapes.
-STATE_SHAPING = (
-    "model",
-    "optimizer.name",
-    "optimizer.muon.variant",
-    "optimizer.muon.muon_patterns",
-    "optimizer.muon.adamw_patterns",
-)
-# Of those, the ones a resume may change: how the same model is computed or first built. Every other
-# change is refused before loading, because a load cannot catch them all: one with fewer layers reads a
-# subset of the checkpoint's tensors, and another split of the same weights into heads reads them all.
-RESUME_MAY_CHANGE = (
-    "model.attn_implementation",
-    "model.init",
-    "model.name_or_path",
-    "model.trust_remote_code",
-)
 
 # Threads writing each rank's share (DCP's FileSystemWriter: one file per thread). DCP's default of one
 # leaves a fast disk idle; four reach a local NVMe disk's fsynced write speed, more do not help
@@ -84,19 +72,6 @@ WRITER_THREADS = 4
 
 def storage_writer(path: Path) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(path, thread_count=WRITER_THREADS)
-
-
-def resume_key(setting: str) -> str:
-    """How a checkpoint records the checkpoint.resume_from its run started from: the absolute path."""
-    return str(Path(setting).expanduser().resolve())
-
-
-def started_from(checkpoint: Path) -> str | None:
-    """The checkpoint.resume_from (`resume_key`) the run that saved it started from, if any."""
-    try:
-        return read_meta(checkpoint).get("started_from")
-    except DamagedCheckpoint:  # found and named when it is verified
-        return None
 
 
 def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
@@ -425,7 +400,7 @@ class Checkpointer:
         if choice is None:
             return None
         kind, path = choice
-        self._check_identity(path)
+        check_identity(path, self.identity)
         if kind == "init":
             self._dcp_load({"model": self.states["model"]}, path)
             if self.dist.is_main:
@@ -433,7 +408,7 @@ class Checkpointer:
                     f"weights initialised from {path} (checkpoint.init_from; optimizer and data start fresh)"
                 )
             return path
-        self._check_settings(path)
+        check_settings(path, self.config_yaml)
         self._dcp_load(dict(self.states), path)
         own = load_rank_state(rank_state_file(path, self.dist.rank, self.dist.world_size))
         for key, part in self.rank_states.items():
@@ -443,7 +418,7 @@ class Checkpointer:
         if self.cfg.resume_from:
             self._started_from = resume_key(self.cfg.resume_from)
             if self.dist.is_main and started_from(path) != self._started_from:
-                self._set_aside_later_steps(path, step)
+                set_aside_later_steps(self.root, path, step)
         else:
             self._started_from = started_from(path)
         if self.dist.is_main:
@@ -451,66 +426,6 @@ class Checkpointer:
             resharded = f" (saved by {saved_by} ranks, resharded)" if saved_by != self.dist.world_size else ""
             log.info(f"resumed from {path} at step {step}{resharded}")
         return path
-
-    def _set_aside_later_steps(self, start: Path, step: int) -> None:
-        """A run started from an earlier checkpoint than this folder's newest: the later ones continue
-        the line it went back from. Renamed `step-N.abandoned` (kept, never resumed from or pruned), so
-        a rerun resumes this run's own line, not that one."""
-        later = [p for p in published_checkpoints(self.root) if step_of(p) > step and p != start]
-        for path in later:
-            aside, n = path.with_name(f"{path.name}.abandoned"), 1
-            while aside.exists():  # an earlier going-back set one aside already: keep both
-                n += 1
-                aside = path.with_name(f"{path.name}.abandoned-{n}")
-            path.rename(aside)
-            log.warning(
-                f"{path} (after step {step}, where this run starts from {start}) was set aside as "
-                f"{aside.name}, not deleted: it continues the training this run went back from."
-            )
-        if later:
-            fsync_dir(self.root)
-
-    def _check_identity(self, path: Path) -> None:
-        """Refuse a checkpoint saved on top of something else than this run (another base model)."""
-        saved = read_meta(path).get("identity", {})
-        keys = sorted(saved.keys() | self.identity.keys())
-        if all(
-            saved.get(k, {}).get("fingerprint") == self.identity.get(k, {}).get("fingerprint") for k in keys
-        ):
-            return
-
-        def describe(identity: dict, key: str) -> str:
-            if key not in identity:
-                return f"no {key}"
-            entry = identity[key]
-            return f"{key} '{entry.get('name_or_path')}' (fingerprint {str(entry.get('fingerprint'))[:12]})"
-
-        theirs = ", ".join(describe(saved, k) for k in keys)
-        ours = ", ".join(describe(self.identity, k) for k in keys)
-        raise UserError(
-            f"Checkpoint '{path}' was saved on {theirs}, but this run has {ours}. Its weights only make sense "
-            "on what they were trained on: set model.name_or_path (and model.lora) as in that run, or start "
-            "a new output_dir."
-        )
-
-    def _check_settings(self, path: Path) -> None:
-        """Refuse to resume a checkpoint saved with another model or optimizer (its config.yaml against
-        this run's; model.name_or_path is checked by its fingerprint, `_check_identity`)."""
-        saved = path / CONFIG
-        if self.config_yaml is None or not saved.is_file():
-            return
-        changed = [
-            d
-            for d in differences(saved.read_text(), self.config_yaml, STATE_SHAPING)
-            if not any(d.startswith((f"{k}:", f"{k}.")) for k in RESUME_MAY_CHANGE)
-        ]
-        if changed:
-            shown = "; ".join(changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
-            raise UserError(
-                f"Checkpoint '{path}' was saved by another model or optimizer than this run's: these settings "
-                f"changed since (saved -> now): {shown}. A run resumes the model it trained: set them back, or "
-                "start a new output_dir (checkpoint.init_from loads weights only, into the same model)."
-            )
 
     def _dcp_load(self, state: dict, path: Path) -> None:
         try:
@@ -520,26 +435,9 @@ class Checkpointer:
         except Exception as e:  # a different model or optimizer than the one that wrote it
             raise UserError(
                 f"Checkpoint '{path}' does not fit this run's model/optimizer: {str(e).splitlines()[0][:300]} "
-                f"{self._changed_settings(path)}Resume with the same model and optimizer.name, or start a new "
+                f"{changed_settings(path, self.config_yaml)}Resume with the same model and optimizer.name, or start a new "
                 "output_dir (checkpoint.init_from loads weights only)."
             ) from None
-
-    def _changed_settings(self, path: Path) -> str:
-        """The model/optimizer settings in which this run differs from the config the checkpoint was saved
-        with (a sentence, or nothing when the checkpoint carries no config)."""
-        saved = path / CONFIG
-        if self.config_yaml is None or not saved.is_file():
-            return ""
-        try:
-            changed = differences(saved.read_text(), self.config_yaml, STATE_SHAPING)
-        except Exception:  # noqa: BLE001 (only ever on the way to an error: say less rather than fail)
-            return ""
-        shown = "; ".join(changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
-        return (
-            f"Since that checkpoint was saved these settings changed (saved -> now): {shown}. "
-            if changed
-            else ""
-        )
 
     # -- end
 

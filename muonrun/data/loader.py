@@ -24,7 +24,6 @@ once early for a long pass). A streaming source checks each block as it reads it
 
 from __future__ import annotations
 
-import os
 from itertools import islice
 
 import numpy as np
@@ -254,14 +253,10 @@ def check_cache_folder(data_cfg) -> None:
     """The token cache (data.cache_dir, MUONRUN_CACHE or ~/.cache/muonrun) must be a folder this user can
     write, or be creatable as one: checked without creating anything."""
     from muonrun.data.cache import cache_root
+    from muonrun.paths import unwritable
 
     root = cache_root(data_cfg)
-    existing = next((p for p in (root, *root.parents) if p.exists()), None)
-    problem = None
-    if existing is not None and not existing.is_dir():
-        problem = f"'{existing}' is a file" if existing != root else "it is a file"
-    elif existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        problem = f"'{existing}' is not writable by this user"
+    problem = "it is a file" if root.is_file() else unwritable(root)
     if problem:
         raise UserError(
             f"The token cache '{root}' cannot be used: {problem}. Set data.cache_dir (or MUONRUN_CACHE) to "

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from muonrun import log
 from muonrun.errors import UserError
+from muonrun.paths import unwritable
 
 
 @dataclass
@@ -389,6 +390,9 @@ def compare(
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise UserError(f"--out '{out}' must be a .png file (the table is written next to it as .md).")
+    problem = "it is a folder" if out.is_dir() else unwritable(out)
+    if problem:
+        raise UserError(f"--out '{out}' cannot be written: {problem}. Give a file in a folder you can write.")
     seen: dict[Path, str | Path] = {}
     for path in run_dirs:
         if (resolved := Path(path).resolve()) in seen:

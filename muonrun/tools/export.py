@@ -24,6 +24,7 @@ from muonrun.checkpoint import (
 from muonrun.config import Config
 from muonrun.errors import UserError
 from muonrun.features import ExportJob, enabled
+from muonrun.paths import unwritable
 
 
 def read_run_config(checkpoint: Path) -> Config:
@@ -48,6 +49,9 @@ def check_export_folder(out: Path) -> None:
     check_run_folder(out, "Export folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"Export folder '{out}' is a file; give the path of a new folder.")
+    problem = unwritable(out.parent)
+    if problem:
+        raise UserError(f"Export folder '{out}' cannot be created: {problem}. Give a folder you can write.")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"Export folder '{out}' is not empty; choose a new folder.")
 

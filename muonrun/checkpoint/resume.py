@@ -1,0 +1,132 @@
+"""Which checkpoint a run resumes, and whether it may: the settings a resume must keep, the base model
+it must share (`identity`), and the line of checkpoints a `checkpoint.resume_from` starts (each records
+where it started, so rerunning the same command continues it; the checkpoints it went back from are set
+aside). Used by the checkpointer at load (docs/checkpoints.md, "Resume rules")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from muonrun import log
+from muonrun.checkpoint.files import (
+    CONFIG,
+    DamagedCheckpoint,
+    fsync_dir,
+    published_checkpoints,
+    read_meta,
+    step_of,
+)
+from muonrun.config import differences
+from muonrun.errors import UserError
+
+# The settings that decide which tensors a checkpoint holds, and their shapes.
+STATE_SHAPING = (
+    "model",
+    "optimizer.name",
+    "optimizer.muon.variant",
+    "optimizer.muon.muon_patterns",
+    "optimizer.muon.adamw_patterns",
+)
+# Of those, the ones a resume may change: how the same model is computed or first built. Every other
+# change is refused before loading, because a load cannot catch them all: one with fewer layers reads a
+# subset of the checkpoint's tensors, and another split of the same weights into heads reads them all.
+RESUME_MAY_CHANGE = (
+    "model.attn_implementation",
+    "model.init",
+    "model.name_or_path",
+    "model.trust_remote_code",
+)
+
+
+def resume_key(setting: str) -> str:
+    """How a checkpoint records the checkpoint.resume_from its run started from: the absolute path."""
+    return str(Path(setting).expanduser().resolve())
+
+
+def started_from(checkpoint: Path) -> str | None:
+    """The checkpoint.resume_from (`resume_key`) the run that saved it started from, if any."""
+    try:
+        return read_meta(checkpoint).get("started_from")
+    except DamagedCheckpoint:  # found and named when it is verified
+        return None
+
+
+def set_aside_later_steps(root: Path, start: Path, step: int) -> None:
+    """A run started from an earlier checkpoint than this folder's newest: the later ones continue
+    the line it went back from. Renamed `step-N.abandoned` (kept, never resumed from or pruned), so
+    a rerun resumes this run's own line, not that one."""
+    later = [p for p in published_checkpoints(root) if step_of(p) > step and p != start]
+    for path in later:
+        aside, n = path.with_name(f"{path.name}.abandoned"), 1
+        while aside.exists():  # an earlier going-back set one aside already: keep both
+            n += 1
+            aside = path.with_name(f"{path.name}.abandoned-{n}")
+        path.rename(aside)
+        log.warning(
+            f"{path} (after step {step}, where this run starts from {start}) was set aside as "
+            f"{aside.name}, not deleted: it continues the training this run went back from."
+        )
+    if later:
+        fsync_dir(root)
+
+
+def check_identity(path: Path, identity: dict[str, dict]) -> None:
+    """Refuse a checkpoint saved on top of something else than this run (another base model)."""
+    saved = read_meta(path).get("identity", {})
+    keys = sorted(saved.keys() | identity.keys())
+    if all(saved.get(k, {}).get("fingerprint") == identity.get(k, {}).get("fingerprint") for k in keys):
+        return
+
+    def describe(identity: dict, key: str) -> str:
+        if key not in identity:
+            return f"no {key}"
+        entry = identity[key]
+        return f"{key} '{entry.get('name_or_path')}' (fingerprint {str(entry.get('fingerprint'))[:12]})"
+
+    theirs = ", ".join(describe(saved, k) for k in keys)
+    ours = ", ".join(describe(identity, k) for k in keys)
+    raise UserError(
+        f"Checkpoint '{path}' was saved on {theirs}, but this run has {ours}. Its weights only make sense "
+        "on what they were trained on: set model.name_or_path (and model.lora) as in that run, or start "
+        "a new output_dir."
+    )
+
+
+def check_settings(path: Path, config_yaml: str | None) -> None:
+    """Refuse to resume a checkpoint saved with another model or optimizer (its config.yaml against
+    this run's; model.name_or_path is checked by its fingerprint, `check_identity`)."""
+    saved = path / CONFIG
+    if config_yaml is None or not saved.is_file():
+        return
+    changed = [
+        d
+        for d in differences(saved.read_text(), config_yaml, STATE_SHAPING)
+        if not any(d.startswith((f"{k}:", f"{k}.")) for k in RESUME_MAY_CHANGE)
+    ]
+    if changed:
+        raise UserError(
+            f"Checkpoint '{path}' was saved by another model or optimizer than this run's: these settings "
+            f"changed since (saved -> now): {_listed(changed)}. A run resumes the model it trained: set them back, or "
+            "start a new output_dir (checkpoint.init_from loads weights only, into the same model)."
+        )
+
+
+def changed_settings(path: Path, config_yaml: str | None) -> str:
+    """The model/optimizer settings in which this run differs from the config the checkpoint was saved
+    with (a sentence, or nothing when the checkpoint carries no config)."""
+    saved = path / CONFIG
+    if config_yaml is None or not saved.is_file():
+        return ""
+    try:
+        changed = differences(saved.read_text(), config_yaml, STATE_SHAPING)
+    except Exception:  # noqa: BLE001 (only ever on the way to an error: say less rather than fail)
+        return ""
+    return (
+        f"Since that checkpoint was saved these settings changed (saved -> now): {_listed(changed)}. "
+        if changed
+        else ""
+    )
+
+
+def _listed(changed: list[str]) -> str:
+    return "; ".join(changed[:5]) + (f"; and {len(changed) - 5} more" if len(changed) > 5 else "")
