@@ -247,6 +247,9 @@ def test_user_errors(tmp_path, two_runs):
         compare(list(two_runs), tmp_path / "x.png", smoothing=1.0)
     with pytest.raises(UserError, match=r"\.png"):
         compare(list(two_runs), tmp_path / "x.pdf")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match=r"cannot be written: '.*afile' is a file"):
+        compare(list(two_runs), tmp_path / "afile" / "x.png")
     with pytest.raises(UserError, match=r"'.*a/' is given twice \(also as '.*a'\)"):
         compare([two_runs[0], two_runs[1], f"{two_runs[0]}/"], tmp_path / "x.png")
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "missing")])
