@@ -334,7 +334,10 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path, reseal):
             ((str(tmp_path / "nowhere"), str(tmp_path / "y")), "not a muonrun checkpoint"),
             ((str(step), str(hf)), "not empty"),
             ((str(step), str(hf / "config.json")), "is a file"),
-            ((str(step), str(hf / "config.json" / "sub")), f"cannot be created: '{hf / 'config.json'}' is a file"),
+            (
+                (str(step), str(hf / "config.json" / "sub")),
+                f"cannot be created: '{hf / 'config.json'}' is a file",
+            ),
             ((str(step), str(adamw_ref / "checkpoints" / "step-100")), "is the checkpoint"),  # a run's own
         ):
             result = runner.invoke(app, ["export", *args])

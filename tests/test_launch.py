@@ -281,3 +281,25 @@ def test_a_stop_request_during_start_up_is_kept_and_sigquit_stops_at_once(monkey
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "says"),
+    [
+        ("127.0.0.1:99999", "is not HOST:PORT with a port in 1..65535"),
+        (
+            "nosuchhost.invalid:29511",
+            "its host 'nosuchhost.invalid' does not resolve on this machine (node 0",
+        ),
+    ],
+)
+def test_a_rendezvous_endpoint_that_cannot_work_exits_2_before_anything_is_written(tmp_path, endpoint, says):
+    """A port out of range failed in a bind deep in torch; a host that does not resolve made torch retry
+    for minutes and end in pages of C++ frames."""
+    result = runner.invoke(
+        app,
+        ["pretrain", "tiny", f"output_dir={tmp_path / 'run'}", "--nnodes", "2", "--rdzv-endpoint", endpoint],
+    )
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and says in text and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "run").exists()

@@ -84,8 +84,10 @@ def make_plan(cfg: Config) -> LaunchPlan:
             "ranks) straddle node boundaries unevenly; for HSDP shard within a node "
             f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1)."
         )
-    if plan.rdzv_endpoint and plan.node_rank == 0 and not plan.in_process:
-        check_endpoint_free(plan.rdzv_endpoint)
+    if plan.rdzv_endpoint and not plan.in_process:
+        check_endpoint_resolves(plan.rdzv_endpoint, plan.node_rank)
+        if plan.node_rank == 0:
+            check_endpoint_free(plan.rdzv_endpoint)
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and _has_cuda()):
         import torch
 
@@ -307,11 +309,27 @@ def split_endpoint(endpoint: str, default_port: int = 29500) -> tuple[str, int]:
     if not sep or "]" in port:  # no port, or the colons of a bare IPv6 address
         host, port = endpoint, ""
     host = host.strip("[]") or "localhost"
-    try:
-        return host, int(port) if port else default_port
-    except ValueError:
+    if port and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise UserError(
-            f"--rdzv-endpoint '{endpoint}' (launch.rdzv_endpoint) is not HOST:PORT; e.g. node0.cluster:29500."
+            f"--rdzv-endpoint '{endpoint}' (launch.rdzv_endpoint) is not HOST:PORT with a port in 1..65535; "
+            "e.g. node0.cluster:29500."
+        )
+    return host, int(port) if port else default_port
+
+
+def check_endpoint_resolves(endpoint: str, node_rank: int) -> None:
+    """Every node must find the rendezvous host's address; torch would retry for minutes, then fail with
+    pages of C++ frames."""
+    import socket
+
+    host, _ = split_endpoint(endpoint)
+    try:
+        socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError as e:
+        raise UserError(
+            f"--rdzv-endpoint '{endpoint}' (launch.rdzv_endpoint): its host '{host}' does not resolve on this "
+            f"machine (node {node_rank}: {e.strerror or e}). Give node 0's host name or address as the other "
+            "nodes can reach it."
         ) from None
 
 

@@ -129,8 +129,8 @@ def launch_defaults(env: Mapping[str, str] | None = None) -> dict[str, object]:
     nodelist = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if nodelist and nnodes > 1:  # one node: a free local port, as outside SLURM
         port = env.get(PORT_ENV) or str(DEFAULT_PORT)
-        if not port.isdigit():
-            raise UserError(f"{PORT_ENV}='{port}' is not a port number.")
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise UserError(f"{PORT_ENV}='{port}' is not a port number (1..65535).")
         values["launch.rdzv_endpoint"] = f"{hostnames(nodelist)[0]}:{port}"
     values["launch.rdzv_id"] = env["SLURM_JOB_ID"]
     return values
