@@ -109,6 +109,7 @@ def test_config_docs_is_a_reference():
             ["pretrain", "tiny", "--dry-run", "model.hf.num_hidden_layers=0"],
             "no decoder layers (Qwen2DecoderLayer)",
         ),
+        (["pretrain", "tiny", "--dry-run", 'name=""'], "Config key 'name' is empty"),
         # finite, but no float32 holds it: the optimizer's first step would fail
         (
             ["pretrain", "tiny", "--dry-run", "optimizer.lr=1e40"],

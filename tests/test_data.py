@@ -350,7 +350,7 @@ def test_a_resume_reads_no_unchanged_file_and_a_copy_elsewhere_is_the_same_data(
     assert capsys.readouterr().err == ""
     os.remove(copy / "part1.jsonl")
     resumed(cfg(copy), tok, state)
-    assert f"'{copy / 'part1.jsonl'}' is gone" in capsys.readouterr().err
+    assert f"'part1.jsonl', read from '{folder}' then, is not in '{copy}'" in capsys.readouterr().err
 
 
 def test_a_changed_layout_is_reported_as_what_it_is_once(corpus, capsys):

@@ -172,3 +172,13 @@ def test_timeline_names_where_the_host_waited():
 
 def test_other_ranks_write_nothing(tmp_path):
     assert not run_steps(tmp_path, is_main=False).exists()
+
+
+def test_the_config_knows_the_last_profiled_step_and_warns_of_a_run_too_short_for_it(capsys):
+    from muonrun.config.load import PROFILED_THROUGH
+
+    assert PROFILED_THROUGH == WAIT + WARMUP + ACTIVE
+    load_config("tiny", ["logging.profile=true", f"train.max_steps={PROFILED_THROUGH - 1}"])
+    assert "no profile will be written" in capsys.readouterr().err
+    load_config("tiny", ["logging.profile=true", f"train.max_steps={PROFILED_THROUGH}"])
+    assert "no profile" not in capsys.readouterr().err

@@ -123,6 +123,14 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, bool]]:
     return parsed
 
 
+# How to write a value YAML would read otherwise: a glob's leading `*` is an alias to YAML, `&` an anchor
+QUOTING = (
+    'Quote values that hold ":", "{" or "#", and those that start with "*", "&" or "!" (YAML reads them as '
+    "an alias, an anchor or a tag), e.g. optimizer.muon.muon_patterns='[\"*embed*\"]' or "
+    "data.sources='[{path: \"${stdlib:}/*.py\"}]'"
+)
+# the last step logging.profile records (muonrun/observe/profiling.py: 4 skipped, 1 warm-up, 3 recorded)
+PROFILED_THROUGH = 8
 _ABSENT = object()  # OmegaConf.select's default: tells a missing key from one set to None
 
 
@@ -192,7 +200,7 @@ def _parse_value(key: str, text: str) -> Any:
     except Exception as e:
         raise UserError(
             f"Override '{key}={text}': the value is not valid YAML ({' '.join(str(e).split())[:200]}). "
-            'Quote values that hold ":", "{" or "#".'
+            f"{QUOTING}."
         ) from None
 
 
@@ -223,7 +231,7 @@ def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConf
         except Exception as e:  # yaml's scanner errors: a `:` or `{` inside an unquoted value
             raise UserError(
                 f"Override '{key}={text}': the value is not valid YAML ({' '.join(str(e).split())[:200]}). "
-                'Quote values that hold ":", "{" or "#", e.g. data.sources=[{path: "${stdlib:}/*.py"}].'
+                f"{QUOTING}."
             ) from None
         return _merge(cfg, layer, source)
     value = _parse_value(key, text)  # inside a list element: set in place (a merge cannot index lists)
@@ -382,7 +390,16 @@ def validate(cfg: DictConfig) -> Config:
             "Config key 'parallel.float8' is set with model.lora.enabled: float8 matmuls are not available "
             "for LoRA's frozen layers yet. Set parallel.float8=none."
         )
+    if not c.name.strip():
+        raise UserError("Config key 'name' is empty; name the run (it names output_dir, runs/${name}).")
     warmup, steps = c.schedule.warmup_steps, c.train.max_steps
+    if c.logging.profile and steps < PROFILED_THROUGH:
+        from muonrun import log
+
+        log.warning(
+            f"logging.profile=true profiles steps {PROFILED_THROUGH - 2}-{PROFILED_THROUGH}, but train.max_steps is "
+            f"{steps}: no profile will be written. Raise train.max_steps to {PROFILED_THROUGH} or more."
+        )
     if warmup >= steps:
         from muonrun import log  # installs the "muonrun" logger's handler: only when there is a warning
 

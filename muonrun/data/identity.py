@@ -136,6 +136,8 @@ def _source_change(old: dict, new: dict) -> str | None:
     for name in sorted(then.keys() | now.keys()):
         shown = os.path.join(new.get("base", ""), name)
         if name not in now:
+            if old.get("base") != new.get("base"):  # the data is read from another folder now
+                return f"'{name}', read from '{old.get('base')}' then, is not in '{new.get('base')}'"
             return f"'{shown}' is gone"
         if name not in then:
             return f"'{shown}' is new"

@@ -16,7 +16,7 @@ from muonrun.config import Config
 from muonrun.distributed import Dist
 from muonrun.observe.timeline import PHASE_PREFIX, load_events, summarize
 
-WAIT, WARMUP, ACTIVE = 4, 1, 3  # steps skipped, warmed up, recorded
+WAIT, WARMUP, ACTIVE = 4, 1, 3  # steps skipped, warmed up, recorded (config.load.PROFILED_THROUGH: their sum)
 
 
 def phase(name: str) -> torch.profiler.record_function:
