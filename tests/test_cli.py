@@ -110,6 +110,7 @@ def test_config_docs_is_a_reference():
             "no decoder layers (Qwen2DecoderLayer)",
         ),
         (["pretrain", "tiny", "--dry-run", 'name=""'], "Config key 'name' is empty"),
+        (["pretrain", "tiny", "--dry-run", "--world-size", "0"], "--world-size is 0; it must be at least 1"),
         # finite, but no float32 holds it: the optimizer's first step would fail
         (
             ["pretrain", "tiny", "--dry-run", "optimizer.lr=1e40"],

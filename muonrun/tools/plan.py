@@ -154,7 +154,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.optim.groups import split_params
 
     nnodes = cfg.launch.nnodes
-    world = world_size or default_nproc(cfg) * nnodes
+    world = default_nproc(cfg) * nnodes if world_size is None else world_size
     if world < 1:
         raise UserError(f"--world-size is {world}; it must be at least 1.")
     if world % nnodes:
