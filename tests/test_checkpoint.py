@@ -78,8 +78,11 @@ def test_only_published_checkpoints_count_and_a_published_one_missing_files_is_d
     assert resolve_checkpoint(tmp_path / "run").name == "step-40"
     with pytest.raises(UserError, match="incomplete"):
         resolve_checkpoint(root / "step-20.tmp")
-    with pytest.raises(UserError, match="not a muonrun checkpoint"):
+    with pytest.raises(UserError, match="'.*nowhere' does not exist"):
         resolve_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "other").mkdir()
+    with pytest.raises(UserError, match="not a muonrun checkpoint"):
+        resolve_checkpoint(tmp_path / "other")
 
 
 def test_loader_state_follows_the_data_rule(tmp_path):
@@ -331,7 +334,7 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path, reseal):
     try:
         for args, message in (
             ((str(partial), str(tmp_path / "x")), "incomplete"),
-            ((str(tmp_path / "nowhere"), str(tmp_path / "y")), "not a muonrun checkpoint"),
+            ((str(tmp_path / "nowhere"), str(tmp_path / "y")), "does not exist"),
             ((str(step), str(hf)), "not empty"),
             ((str(step), str(hf / "config.json")), "is a file"),
             (

@@ -66,6 +66,8 @@ def checkpoints_of(path: str | os.PathLike) -> list[Path]:
         found = published_checkpoints(root)
         if found:
             return found
+    if not path.exists():
+        raise UserError(f"'{path}' does not exist: give a run folder or one of its checkpoints/step-N folders.")
     if path.name.endswith(".tmp"):
         raise UserError(
             f"Checkpoint '{path}' is incomplete (its save was interrupted); use an earlier step-N folder."
