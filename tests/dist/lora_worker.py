@@ -219,7 +219,10 @@ def check_checkpoint(cfg, trainer) -> None:
     assert again == losses, (again, losses)
     for n, p in trainer.model.named_parameters():
         assert torch.equal(local(p), after[n]), n
-    log(f"resumed from step 3: steps 4-5 repeat bitwise (losses {losses})")
+    # going back to step 3 set the first step-5 aside; the repeat saves the same weights as step-5 again
+    assert (ckpt.parent / "step-5.abandoned").is_dir() and not (ckpt.parent / "step-5").exists()
+    trainer.checkpointer.save(5, trainer.state.tokens_seen, last=True)
+    log(f"resumed from step 3: steps 4-5 repeat bitwise (losses {losses}); the first step-5 set aside")
 
     real = trainer.checkpointer.identity
     trainer.checkpointer.identity = {"base_model": {"name_or_path": "another/model", "fingerprint": "0" * 64}}
