@@ -1,5 +1,7 @@
 """The command line in-process (Typer's runner): help, version, config show, dry runs, exit codes."""
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -110,6 +112,8 @@ def test_config_docs_is_a_reference():
             "no decoder layers (Qwen2DecoderLayer)",
         ),
         (["pretrain", "tiny", "--dry-run", 'name=""'], "Config key 'name' is empty"),
+        (["pretrain", "tiny-moe", "--dry-run", "model.hf.num_experts_per_tok=99"], "is 99, more than the"),
+        (["config", "show", str(Path(__file__).parent)], "is a folder, not a YAML file"),
         (["pretrain", "tiny", "--dry-run", "--world-size", "0"], "--world-size is 0; it must be at least 1"),
         # finite, but no float32 holds it: the optimizer's first step would fail
         (

@@ -67,7 +67,9 @@ def checkpoints_of(path: str | os.PathLike) -> list[Path]:
         if found:
             return found
     if not path.exists():
-        raise UserError(f"'{path}' does not exist: give a run folder or one of its checkpoints/step-N folders.")
+        raise UserError(
+            f"'{path}' does not exist: give a run folder or one of its checkpoints/step-N folders."
+        )
     if path.name.endswith(".tmp"):
         raise UserError(
             f"Checkpoint '{path}' is incomplete (its save was interrupted); use an earlier step-N folder."

@@ -63,8 +63,9 @@ def resolve_preset(path_or_name: str | os.PathLike) -> Path:
     builtin = _builtin(str(path_or_name)) if path.parent == Path(".") else None
     if builtin:
         return builtin
+    what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
     raise UserError(
-        f"Config file '{path}' does not exist. Pass a YAML path or a built-in preset: {', '.join(preset_names())}."
+        f"Config file '{path}' {what}. Pass a YAML path or a built-in preset: {', '.join(preset_names())}."
     )
 
 
@@ -79,7 +80,12 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     except Exception as e:  # yaml.YAMLError and friends: report the file, not the parser internals
         raise UserError(f"Config file '{path}' is not valid YAML: {e}") from None
     if not isinstance(node, DictConfig):
-        raise UserError(f"Config file '{path}' must hold a mapping of keys, not a {type(node).__name__}.")
+        kind = "a list" if isinstance(node, ListConfig) else f"a {type(node).__name__}"
+        raise UserError(f"Config file '{path}' must hold a mapping of keys, not {kind}.")
+    if not node and not path.read_text().strip():
+        raise UserError(
+            f"Config file '{path}' is empty; start it with `defaults: [tiny]` or a preset's keys."
+        )
     bases = node.pop("defaults", [])
     if isinstance(bases, str):
         bases = [bases]

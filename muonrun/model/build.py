@@ -173,6 +173,7 @@ def check_model(
     (its HF config is `.config`)."""
     hf = build_hf_config(m, vocab_size)
     check_positions(hf, seq_len)
+    check_experts(hf)
     model = build_model(m, hf, features)
     decoder_layers(model)  # what the workers shard one by one
     with torch.device("meta"), meta_safe_experts(model):
@@ -195,6 +196,20 @@ def check_model(
                 "(for example, num_attention_heads must be a multiple of num_key_value_heads)."
             ) from None
     return model
+
+
+def check_experts(hf) -> None:
+    """A mixture of experts routes each token to `num_experts_per_tok` of its experts: no more than it has
+    (the meta forward would fail on top-k with a message about attention settings)."""
+    k = getattr(hf, "num_experts_per_tok", None)
+    key = next(
+        (n for n in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(hf, n, None)), None
+    )
+    if isinstance(k, int) and key is not None and k > getattr(hf, key):
+        raise UserError(
+            f"Config key 'model.hf.num_experts_per_tok' is {k}, more than the {getattr(hf, key)} experts "
+            f"(model.hf.{key}); route each token to at most that many."
+        )
 
 
 def build_model(m: ModelConfig, hf_config, features: list[Feature] = ()) -> nn.Module:
