@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from muonrun import log
@@ -66,6 +67,11 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+# How long a worker that exited with an error waits before it is named as the failure: a peer killed by a
+# signal at the same moment is the likelier cause, and its waiter speaks first in that time.
+PEER_GRACE_S = 0.5
 
 
 class Supervisor:
@@ -194,6 +200,8 @@ class Supervisor:
         from muonrun.checkpoint import published_checkpoints
 
         attempt = entry.get("attempt", 0)
+        if not killed:  # often a peer's consequence (its collective lost a killed rank): let that one speak
+            time.sleep(PEER_GRACE_S)
         with self._lock:
             if self.stopping or any((self.control / "reports").glob(REPORTS)) or attempt in self._announced:
                 return  # the launcher stops the workers itself, or a report ends the job

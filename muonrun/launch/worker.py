@@ -115,7 +115,10 @@ def register(failure: str | None = None) -> None:
         entry["failure"] = failure[:300]
     with contextlib.suppress(OSError):
         (control / "workers").mkdir(parents=True, exist_ok=True)
-        (control / "workers" / str(os.getpid())).write_text(json.dumps(entry))
+        own = control / "workers" / str(os.getpid())
+        tmp = own.with_name(f".{own.name}.tmp")  # renamed into place: the launcher never reads half of it
+        tmp.write_text(json.dumps(entry))
+        tmp.replace(own)
 
 
 def report(code: int, message: str) -> None:
