@@ -104,10 +104,11 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
                 f"is it a built-in preset ({', '.join(preset_names())})."
             )
         layers.append(_load_yaml(base_path, (*seen, path)))
-    if not layers:
-        return node
-    base = layers[0] if len(layers) == 1 else _merge(layers[0], OmegaConf.merge(*layers[1:]), f"'{path}'")
-    return _merge(base, node, f"'{path}'")
+    stack = [*layers, node]  # each base under the next, this file's own keys last
+    merged = stack[0]
+    for layer in stack[1:]:
+        merged = _merge(merged, layer, f"'{path}'")
+    return merged
 
 
 _INDEX = re.compile(r"\[(\d+)\]")
