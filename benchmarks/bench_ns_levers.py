@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_max_logit import timed  # benchmarks/: on the path when a script runs
+from ns_blocked import BlockedProducts
 
 from muonrun.optim import Muon  # noqa: E402
 from muonrun.optim.newton_schulz import (  # noqa: E402
@@ -45,23 +46,32 @@ MODELS = {  # hidden, intermediate, layers, kv dim
     "1.5b": (1536, 8960, 28, 256),
 }
 
-# (label, coefficients, steps, gram, precondition, folded)
+# (label, coefficients, steps, gram, precondition, folded, blocks): blocks > 0 evaluates the symmetric
+# products by ns_blocked.BlockedProducts(blocks) (a study), 0 by torch's
 NS_VARIANTS = [
-    ("torch x5", DEFAULT_NS_COEFFICIENTS, 5, False, "frobenius", False),
-    ("gram x5", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", False),
-    ("gram x5 folded", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", True),
-    ("polar express gram x5", "polar_express", 5, True, "frobenius", True),
-    ("aol turbo x4", "turbo", 4, False, "aol", True),
-    ("aol turbo gram x4", "turbo", 4, True, "aol", True),
-    ("default gram x4", DEFAULT_NS_COEFFICIENTS, 4, True, "frobenius", True),
+    ("torch x5", DEFAULT_NS_COEFFICIENTS, 5, False, "frobenius", False, 0),
+    ("gram x5", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", False, 0),
+    ("gram x5 folded", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", True, 0),
+    ("gram x5 folded blocked2", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", True, 2),
+    ("gram x5 folded blocked3", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", True, 3),
+    ("polar express gram x5", "polar_express", 5, True, "frobenius", True, 0),
+    ("aol turbo x4", "turbo", 4, False, "aol", True, 0),
+    ("aol turbo gram x4", "turbo", 4, True, "aol", True, 0),
+    ("aol turbo gram x4 blocked2", "turbo", 4, True, "aol", True, 2),
+    ("default gram x4", DEFAULT_NS_COEFFICIENTS, 4, True, "frobenius", True, 0),
 ]
 
-# (label, Muon keyword arguments) for the whole-step timing
+# (label, Muon keyword arguments) for the whole-step timing; "blocked2" in a label: BlockedMuon
 STEP_VARIANTS = [
     ("muon gram (before)", dict(gram=True)),
     ("muon gram fused", dict(gram=True, fused=True)),
     (
         "muon gram fused aol turbo x4",
+        dict(gram=True, fused=True, precondition="aol", ns_coefficients="turbo", ns_steps=4),
+    ),
+    ("muon gram fused blocked2", dict(gram=True, fused=True)),
+    (
+        "muon gram fused aol turbo x4 blocked2",
         dict(gram=True, fused=True, precondition="aol", ns_coefficients="turbo", ns_steps=4),
     ),
     ("normuon gram (before)", dict(gram=True, variant="normuon")),
@@ -73,6 +83,17 @@ STEP_VARIANTS = [
         ),
     ),
 ]
+
+
+class BlockedMuon(Muon):
+    """Muon whose owner evaluates Newton–Schulz's symmetric products by their upper blocks
+    (ns_blocked.BlockedProducts, a study): the override point tests use too."""
+
+    blocks = 2
+
+    def _newton_schulz(self, X, per_step, **kw):
+        products = [BlockedProducts(self.blocks)] * len(per_step)
+        return ns_iterations(X, per_step, gram=self.gram, products=products, **kw)
 
 
 def model_shapes(model: str) -> dict[tuple[int, int], int]:
@@ -90,14 +111,17 @@ def gradient_like(m: int, n: int, seed: int, device) -> torch.Tensor:
     return (U * torch.arange(1, k + 1, device=device, dtype=torch.float32) ** -1.0) @ V.T
 
 
-def evaluate(G: torch.Tensor, coefficients, steps: int, gram: bool, precondition: str, folded: bool):
+def evaluate(
+    G: torch.Tensor, coefficients, steps: int, gram: bool, precondition: str, folded: bool, blocks: int = 0
+):
     """One Newton–Schulz evaluation of a bf16 stack as Muon's owner runs it (normalisation included)."""
     per_step, norm_scale = resolve_ns_coefficients(coefficients, steps)
+    products = [BlockedProducts(blocks)] * steps if blocks else None
     if precondition == "frobenius" and not folded:
         norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
         X = G / (norm * norm_scale).clamp(min=1e-7)
-        return ns_iterations(X, per_step, gram=gram)
-    return ns_iterations(G, per_step, gram=gram, scaling=Scaling(precondition, norm_scale))
+        return ns_iterations(X, per_step, gram=gram, products=products)
+    return ns_iterations(G, per_step, gram=gram, scaling=Scaling(precondition, norm_scale), products=products)
 
 
 def ns_table(models: list[str], iters: int) -> list[dict]:
@@ -109,10 +133,10 @@ def ns_table(models: list[str], iters: int) -> list[dict]:
             U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
             polar = U @ Vh
             batch = torch.randn(count, rows_, cols, device=dev).bfloat16()
-            for label, coefficients, steps, gram, precondition, folded in NS_VARIANTS:
-                out = evaluate(G.bfloat16()[None], coefficients, steps, gram, precondition, folded)[0]
+            for label, coefficients, steps, gram, precondition, folded, blocks in NS_VARIANTS:
+                out = evaluate(G.bfloat16()[None], coefficients, steps, gram, precondition, folded, blocks)[0]
                 distance = ((out.double() - polar).norm() / polar.norm()).item()
-                args = (batch, coefficients, steps, gram, precondition, folded)
+                args = (batch, coefficients, steps, gram, precondition, folded, blocks)
                 ms = timed(lambda args=args: evaluate(*args), iters)
                 flops = count * newton_schulz_flops((rows_, cols), steps, gram)
                 row = {
@@ -149,7 +173,7 @@ def step_table(models: list[str], iters: int) -> list[dict]:
             ps = [p.clone() for p in params]
             for p, g in zip(ps, grads, strict=True):
                 p.grad = g
-            opt = Muon(ps, lr=0.02, weight_decay=0.01, **kw)
+            opt = (BlockedMuon if "blocked2" in label else Muon)(ps, lr=0.02, weight_decay=0.01, **kw)
             t0 = time.perf_counter()
             opt.step()
             torch.cuda.synchronize()
