@@ -256,7 +256,7 @@ def check_cache_folder(data_cfg) -> None:
     from muonrun.paths import unwritable
 
     root = cache_root(data_cfg)
-    problem = "it is a file" if root.is_file() else unwritable(root)
+    problem = unwritable(root, "folder")
     if problem:
         raise UserError(
             f"The token cache '{root}' cannot be used: {problem}. Set data.cache_dir (or MUONRUN_CACHE) to "

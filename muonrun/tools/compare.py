@@ -390,7 +390,7 @@ def compare(
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise UserError(f"--out '{out}' must be a .png file (the table is written next to it as .md).")
-    problem = "it is a folder" if out.is_dir() else unwritable(out)
+    problem = unwritable(out, "file")
     if problem:
         raise UserError(f"--out '{out}' cannot be written: {problem}. Give a file in a folder you can write.")
     seen: dict[Path, str | Path] = {}

@@ -49,7 +49,7 @@ def check_export_folder(out: Path) -> None:
     check_run_folder(out, "Export folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"Export folder '{out}' is a file; give the path of a new folder.")
-    problem = unwritable(out)
+    problem = unwritable(out, "folder")
     if problem:
         raise UserError(f"Export folder '{out}' cannot be created: {problem}. Give a folder you can write.")
     if out.exists() and any(out.iterdir()):
