@@ -327,7 +327,8 @@ class Checkpointer:
             try:
                 if ck.resume_from:
                     # this run's own checkpoints since it started from there come first, newest first
-                    line = [p for p in found if started_from(p) == resume_key(ck.resume_from)]
+                    key = resume_key(ck.resume_from)
+                    line = [p for p in found if started_from(p) == key]
                     if line:
                         log.info(
                             f"checkpoint.resume_from: this run started from '{ck.resume_from}' and has saved "

@@ -92,15 +92,21 @@ def check_identity(path: Path, identity: dict[str, dict]) -> None:
     )
 
 
+def _changed(path: Path, config_yaml: str | None) -> list[str]:
+    """`key: OLD -> NEW` for the STATE_SHAPING settings this run changed since the checkpoint was saved
+    (none when the checkpoint carries no config)."""
+    saved = path / CONFIG
+    if config_yaml is None or not saved.is_file():
+        return []
+    return differences(saved.read_text(), config_yaml, STATE_SHAPING)
+
+
 def check_settings(path: Path, config_yaml: str | None) -> None:
     """Refuse to resume a checkpoint saved with another model or optimizer (its config.yaml against
     this run's; model.name_or_path is checked by its fingerprint, `check_identity`)."""
-    saved = path / CONFIG
-    if config_yaml is None or not saved.is_file():
-        return
     changed = [
         d
-        for d in differences(saved.read_text(), config_yaml, STATE_SHAPING)
+        for d in _changed(path, config_yaml)
         if not any(d.startswith((f"{k}:", f"{k}.")) for k in RESUME_MAY_CHANGE)
     ]
     if changed:
@@ -114,11 +120,8 @@ def check_settings(path: Path, config_yaml: str | None) -> None:
 def changed_settings(path: Path, config_yaml: str | None) -> str:
     """The model/optimizer settings in which this run differs from the config the checkpoint was saved
     with (a sentence, or nothing when the checkpoint carries no config)."""
-    saved = path / CONFIG
-    if config_yaml is None or not saved.is_file():
-        return ""
     try:
-        changed = differences(saved.read_text(), config_yaml, STATE_SHAPING)
+        changed = _changed(path, config_yaml)
     except Exception:  # noqa: BLE001 (only ever on the way to an error: say less rather than fail)
         return ""
     return (

@@ -103,33 +103,34 @@ def run_bench(
     if steps < 1 or warmup < 0:
         raise UserError(f"--steps is {steps} and --warmup {warmup}: measure at least 1 step after 0 or more.")
 
-    def config(name: str, extra: list[str], run_dir: Path):
-        return load_config(
+    # every run's config, so a variant's mistake is found before the first one runs
+    configs = {
+        (name, r): load_config(
             preset,
             [
                 *overrides,
                 *extra,
                 *BENCH_OVERRIDES,
                 f"train.max_steps={warmup + steps}",
-                f"output_dir={run_dir}",
+                f"output_dir={out_dir / (name if repeat == 1 else f'{name}-{r + 1}')}",
                 f"name={name}",
             ],
         )
-
-    for name, extra in specs:  # every variant's mistakes before the first one runs
-        config(name, extra, out_dir / name)
+        for r in range(repeat)
+        for name, extra in specs
+    }
     runs: dict[str, list[dict]] = {name: [] for name in names}
     failed: dict[str, dict] = {}
     # Round-robin, not variant after variant: a machine that drifts during the call (two runs of one
     # variant can differ by several percent) then biases no variant.
     for r in range(repeat):
-        for name, extra in specs:
+        for name, _ in specs:
             if name in failed:
                 continue
-            run_dir = out_dir / (name if repeat == 1 else f"{name}-{r + 1}")
-            metrics = run_dir / "metrics.jsonl"
+            cfg = configs[name, r]
+            metrics = Path(cfg.output_dir) / "metrics.jsonl"
             metrics.unlink(missing_ok=True)
-            code = launch(config(name, extra, run_dir))
+            code = launch(cfg)
             if code:
                 failed[name] = {"error": f"exit code {code}"}
                 continue
