@@ -339,7 +339,7 @@ def test_export_round_trip_matches_logits(adamw_ref, tmp_path, reseal):
             ((str(step), str(hf / "config.json")), "is a file"),
             (
                 (str(step), str(hf / "config.json" / "sub")),
-                f"cannot be created: '{hf / 'config.json'}' is a file",
+                f"cannot be written: '{hf / 'config.json'}' is a file",
             ),
             ((str(step), str(adamw_ref / "checkpoints" / "step-100")), "is the checkpoint"),  # a run's own
         ):

@@ -13,8 +13,8 @@ may read only one triangle of them and must return a full (both triangles), cont
 Muon uses torch's. benchmarks/ns_triton.py (upper-triangle Triton kernels) and benchmarks/ns_float8.py
 (e4m3 operands) are evaluations studied this way; on an H200 both lose to cuBLAS's bf16 products at the
 presets' shapes (docs/performance.md), so neither is part of Muon. benchmarks/ns_blocked.py (the upper
-blocks of each symmetric result as cuBLAS products) is the next one benchmarks/bench_ns_products.py
-measures.
+blocks of each symmetric result as cuBLAS products) is a third, compared the same way
+(benchmarks/bench_ns_products.py, bench_ns_levers.py); it joins Muon only where it wins.
 """
 
 from __future__ import annotations

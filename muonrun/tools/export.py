@@ -47,11 +47,9 @@ def read_run_config(checkpoint: Path) -> Config:
 def check_export_folder(out: Path) -> None:
     """The export goes into a new folder (or an empty one), not into a run's checkpoints."""
     check_run_folder(out, "Export folder")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"Export folder '{out}' is a file; give the path of a new folder.")
     problem = unwritable(out, "folder")
     if problem:
-        raise UserError(f"Export folder '{out}' cannot be created: {problem}. Give a folder you can write.")
+        raise UserError(f"Export folder '{out}' cannot be written: {problem}. Give the path of a new folder.")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"Export folder '{out}' is not empty; choose a new folder.")
 
