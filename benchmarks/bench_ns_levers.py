@@ -158,7 +158,24 @@ def ns_table(models: list[str], iters: int) -> list[dict]:
     return rows
 
 
-def step_table(models: list[str], iters: int) -> list[dict]:
+def profile_step(opt: Muon, label: str, steps: int = 3, top: int = 25) -> None:
+    """Where one configuration's step spends GPU time: torch.profiler over ``steps`` steps, the
+    ``top`` kernels by total device time (a table to read, not a figure to quote)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+    print(f"--- profile of {label}, {steps} steps", flush=True)
+    print(
+        prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60)
+    )
+
+
+def step_table(
+    models: list[str], iters: int, profiled: tuple[str, ...] = (), chosen: set[str] | None = None
+) -> list[dict]:
     """Each configuration from the same parameters and gradients for the same number of steps; the
     fused ones (the same arithmetic as the one before them, up to rounding) are compared with it."""
     rows = []
@@ -170,6 +187,8 @@ def step_table(models: list[str], iters: int) -> list[dict]:
         grads = [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in shapes]
         finals: dict[str, list[torch.Tensor]] = {}
         for label, kw in STEP_VARIANTS:
+            if chosen is not None and label not in chosen:
+                continue
             ps = [p.clone() for p in params]
             for p, g in zip(ps, grads, strict=True):
                 p.grad = g
@@ -179,6 +198,8 @@ def step_table(models: list[str], iters: int) -> list[dict]:
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             ms = timed(opt.step, iters, warmup=2)
+            if label in profiled:
+                profile_step(opt, f"{model} {label}")
             sample = [p.detach().clone() for p in ps[:7]]  # one layer
             finals[label] = sample
             row = {"model": model, "variant": label, "ms": ms, "first_step_s": first}
@@ -210,6 +231,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-ns", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--steps", default=None, help="comma-separated step variants to time (default: all)")
+    ap.add_argument("--profile", default="", help="comma-separated step variants to profile after timing")
     args = ap.parse_args()
     models = args.models.split(",")
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
@@ -220,7 +243,13 @@ def main() -> None:
         if args.out:  # written as soon as it exists: a later part may be cut short
             Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.skip_step:
-        result["step"] = step_table(args.step_models.split(",") if args.step_models else models, args.iters)
+        chosen = set(args.steps.split(",")) if args.steps else None
+        result["step"] = step_table(
+            args.step_models.split(",") if args.step_models else models,
+            args.iters,
+            tuple(filter(None, args.profile.split(","))),
+            chosen,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
