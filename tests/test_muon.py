@@ -471,8 +471,8 @@ def test_fused_muon_on_the_cpu_runs_the_same_ops_and_says_so_once(gram, variant,
 
 def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
     """The compiled form of the passes (a backend that runs dynamo's graph as it is) gives what the
-    eager foreach ops give, with one graph per pass and bucket: an lr that changes every step (a
-    schedule) compiles nothing new."""
+    eager foreach ops give, with one graph per pass and bucket (the owner's passes: per stack
+    layout, fewer than the stacks): an lr that changes every step (a schedule) compiles nothing new."""
     init = make_params(17)
     for variant in ("muon", "normuon"):
         compiled = []
@@ -493,9 +493,13 @@ def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
                     group["lr"] = LR * (step + 1) / 4
                 opt.step()
             graphs.append(len(compiled))
-        buckets = len(opts[1]._plan[0].buckets)
-        assert opts[1]._passes.compiled and buckets > 1
-        assert graphs == [2 * buckets] * 4, (graphs, buckets)
+        buckets = opts[1]._plan[0].buckets
+        assert opts[1]._passes.compiled and len(buckets) > 1
+        # the owner's passes (normalise; NorMuon's rows) compile once per stack layout, shared by buckets
+        layouts = [key for key in opts[1]._passes._fns if key[0] in ("normalize", "normuon")]
+        stacks = sum(len(b.owned) for b in buckets) * (2 if variant == "normuon" else 1)
+        assert 0 < len(layouts) < stacks, (layouts, stacks)
+        assert graphs == [2 * len(buckets) + len(layouts)] * 4, (graphs, len(buckets), len(layouts))
         for p, q, q0 in zip(traced, eager, init, strict=True):
             assert (p - q).abs().max() <= 1e-5 * (q - q0).abs().max(), (variant, tuple(p.shape))
 
@@ -850,6 +854,29 @@ def test_on_a_gpu_muon_keeps_torchs_bf16_newton_schulz():
     assert_matches(ours, ref, init)
     assert sum(torch.equal(p, q) for p, q in zip(ours, ref, strict=True)) >= len(SHAPES) // 2
     assert all(torch.isfinite(p).all() for p in nor)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
+    """On a GPU ``fused`` compiles the elementwise passes, the owner's normalisation and NorMuon's row
+    scaling among them (inductor kernels, not the eager ones): 10 steps stay within rounding of the
+    eager passes, for Muon and NorMuon."""
+    init = [p.cuda() for p in make_params(16)]
+    for variant in ("muon", "normuon"):
+        runs = {fused: [p.clone() for p in init] for fused in (True, False)}
+        opts = {f: Muon(ps, lr=LR, weight_decay=0.1, variant=variant, fused=f) for f, ps in runs.items()}
+        for step in range(10):
+            set_grads(list(runs.values()), step)
+            for ps in runs.values():
+                for p in ps:
+                    p.grad = p.grad.cuda()
+            for opt in opts.values():
+                opt.step()
+        compiled = {key[0] for key in opts[True]._passes._fns}
+        assert opts[True]._passes.compiled and not opts[False]._passes.compiled
+        assert {"momentum", "update", "normalize"} <= compiled, compiled
+        assert ("normuon" in compiled) == (variant == "normuon"), compiled
+        assert_matches(runs[True], runs[False], init)
 
 
 def test_rejects_bad_params():

@@ -83,7 +83,6 @@ from muonrun.optim.newton_schulz import (
     NSCoefficients,
     adjust_lr,
     newton_schulz_flops,
-    normuon_row_scale,
     ns_iterations,
     orthogonality_residual,
     resolve_ns_coefficients,
@@ -381,22 +380,19 @@ class Muon(torch.optim.Optimizer):
             k, R, C, c = own.count, own.rows, own.cols, own.chunk
             run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
             slabs = run[..., : c * C].view(W, k, c, C)
-            if scaling is not None:  # scaled inside the first Gram product: no pass of its own
-                norm = None
-            else:  # padding rows are zero, so the norm over whole slabs is the matrix's Frobenius norm
-                norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
-                if ns.norm_scale != 1.0:
-                    norm = norm * ns.norm_scale
-                norm = norm.clamp_(min=ns.eps).view(k, 1, 1)
+            # Frobenius: a pass of its own (padding rows are zero, so the norm over whole slabs is the
+            # matrix's); AOL (``scaling``) is folded into the first Gram product
             if W == 1:  # the buffer is ours: normalised in place, the result written back into it
-                X = slabs[0] if norm is None else slabs[0].div_(norm)
-                out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=slabs[0])
+                X = slabs[0]
+                if scaling is None:
+                    self._passes.normalize(X, ns.norm_scale, ns.eps)
+                out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
             else:
                 full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
-                if norm is None:
-                    full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
+                if scaling is None:
+                    self._passes.normalize_into(slabs, full.view(k, W, c, C), ns.norm_scale, ns.eps)
                 else:
-                    torch.div(slabs.transpose(0, 1), norm.unsqueeze(-1), out=full.view(k, W, c, C))
+                    full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
                 X = full[:, :R]
                 out = self._newton_schulz(X, ns.per_step, scaling=scaling)
             if own.first is sample:  # reported by its owner, summed with the others' zeros
@@ -405,9 +401,7 @@ class Muon(torch.optim.Optimizer):
                 states = run[..., own.state_at : own.state_at + c * own.first.row_state]
                 states = states.view(torch.float32)  # [W, k, c]: v of every row, fp32 bit for bit
                 v = states.transpose(0, 1).reshape(k, W * c)[:, :R]
-                factor, v = normuon_row_scale(out, v, *ns.normuon)
-                out.mul_(factor.unsqueeze(-1))  # each row scaled in place, rounded once
-                scatter_rows(states, v, c)
+                scatter_rows(states, self._passes.normuon(out, v, *ns.normuon), c)
             if W > 1:
                 scatter_rows(slabs, out, c)
             self.stats["orthogonalized"] += k
