@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
-from muonrun.optim.newton_schulz import adjust_lr, uses_gram_form
+from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale, uses_gram_form
 from muonrun.optim.settings import NSSettings
 from muonrun.optim.telemetry import reduce_group, sum_of_squares
 
@@ -125,7 +125,9 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
         opt._passes.normalize(X, ns.norm_scale, ns.eps)
     opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
     if ns.normuon:
-        v = opt._passes.normuon(X, torch.cat([v.view(-1, rows) for v in vs]), *ns.normuon)
+        v = torch.cat([v.view(-1, rows) for v in vs])
+        factor, v = normuon_row_scale(X, v, *ns.normuon)
+        X.mul_(factor.unsqueeze(-1))  # each row scaled in place, rounded once
         compat.foreach_copy_([v.view(-1, rows) for v in vs], list(v.view(len(params), -1, rows).unbind(0)))
     opt.stats["orthogonalized"] += X.shape[0]
     opt.stats["gram"] += X.shape[0] * (opt.gram and uses_gram_form((rows, cols), len(ns.per_step)))

@@ -1,5 +1,5 @@
 """Muon's elementwise passes (momentum into the exchange buffer; decay and update; the owner's Frobenius
-normalisation and NorMuon's row scaling), fused by torch.compile.
+normalisation), fused by torch.compile.
 
 Muon's step reads and writes every matrix several times outside Newton–Schulz: the momentum
 update, the Nesterov look-ahead, its cast into the bf16 exchange buffer, the weight decay and the
@@ -8,10 +8,10 @@ group is one pass (read the gradient and the buffer, write the buffer and the bf
 bytes; read the parameter and the update, write the parameter: 10). torch.compile's inductor fuses
 the foreach ops of a list into combined kernels, so the same Python runs eagerly or compiled.
 
-The owner's passes over the stacks it orthogonalises, dividing each matrix by its norm and scaling
-each NorMuon row by its factor, broadcast one number per matrix or per row over bf16 data: eager
-PyTorch runs those on its generic strided kernel, at about a third of the memory bandwidth a
-compiled kernel reaches (a profile of the 1.5B step on one GPU: docs/performance.md).
+The owner's normalisation divides each matrix of a bf16 stack by its norm: eager PyTorch runs that
+broadcast on its generic strided kernel, at about a third of the memory bandwidth a compiled kernel
+reaches (the 1.5B step on one GPU: docs/performance.md). NorMuon's row scaling stays eager: compiled,
+on its strided stacks, it measured slower.
 
 ``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
 bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
@@ -31,7 +31,6 @@ from torch import Tensor
 from muonrun import compat, log
 from muonrun.compat import compile_error
 from muonrun.distributed import to_device
-from muonrun.optim.newton_schulz import normuon_row_scale
 
 _said: set[str] = set()
 
@@ -84,24 +83,6 @@ def frobenius_normalize_(X: Tensor, norm_scale: float, eps: float) -> None:
     X.div_(norm.clamp_(min=eps))
 
 
-def frobenius_normalized_into(src: Tensor, dst: Tensor, norm_scale: float, eps: float) -> None:
-    """``dst`` ``[k, W, c, C]`` = ``src`` ``[W, k, c, C]`` (matrix ``i`` in ``W`` chunks of ``c`` rows,
-    as ranks send them), each matrix divided by ``max(norm_scale * ||.||_F, eps)``: reassembled and
-    normalised in one pass."""
-    norm = torch.linalg.vector_norm(src, dim=(0, 2, 3))
-    if norm_scale != 1.0:
-        norm = norm * norm_scale
-    dst.copy_(src.transpose(0, 1) / norm.clamp_(min=eps).view(-1, 1, 1, 1))
-
-
-def normuon_scale_(X: Tensor, v: Tensor, beta2: float, eps: float) -> Tensor:
-    """NorMuon on Newton–Schulz results ``X`` ``[k, m, n]``: each row scaled in place (rounded once) by
-    ``normuon_row_scale``'s factor; returns the rows' new second moments ``v``."""
-    factor, v = normuon_row_scale(X, v, beta2, eps)
-    X.mul_(factor.unsqueeze(-1))
-    return v
-
-
 def _fresh(fn: Callable) -> Callable:
     """A copy of ``fn`` with its own code object: dynamo keeps one cache per code object."""
     return types.FunctionType(
@@ -144,16 +125,12 @@ class Passes:
         self._call(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov)
 
     def normalize(self, X: Tensor, norm_scale: float, eps: float) -> None:
-        """``frobenius_normalize_`` on an owned stack (compiled once per shape and layout)."""
+        """``frobenius_normalize_`` on an owned stack: compiled (once per shape) where the stack is
+        contiguous, eager where it is a strided view (NorMuon's, whose rows' state sits between the
+        matrices), for which the compiled pass measured slower than the eager one."""
+        if not X.is_contiguous():
+            return frobenius_normalize_(X, norm_scale, eps)
         self._call(_layout("normalize", X), frobenius_normalize_, X, norm_scale, eps)
-
-    def normalize_into(self, src: Tensor, dst: Tensor, norm_scale: float, eps: float) -> None:
-        """``frobenius_normalized_into`` (compiled once per shape and layout)."""
-        self._call(_layout("normalize_into", src, dst), frobenius_normalized_into, src, dst, norm_scale, eps)
-
-    def normuon(self, X: Tensor, v: Tensor, beta2: float, eps: float) -> Tensor:
-        """``normuon_scale_`` (compiled once per shape and layout): the new ``v``."""
-        return self._call(_layout("normuon", X, v), normuon_scale_, X, v, beta2, eps)
 
     def decay_and_update(self, key: tuple, runs: Sequence[tuple[list, list, float, float]]) -> None:
         """``runs``: (params, updates, decay factor, update scale) per group and shape. The host

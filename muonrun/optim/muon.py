@@ -83,6 +83,7 @@ from muonrun.optim.newton_schulz import (
     NSCoefficients,
     adjust_lr,
     newton_schulz_flops,
+    normuon_row_scale,
     ns_iterations,
     orthogonality_residual,
     resolve_ns_coefficients,
@@ -381,7 +382,7 @@ class Muon(torch.optim.Optimizer):
             run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
             slabs = run[..., : c * C].view(W, k, c, C)
             # Frobenius: a pass of its own (padding rows are zero, so the norm over whole slabs is the
-            # matrix's); AOL (``scaling``) is folded into the first Gram product
+            # matrix's; compiled where fused); AOL (``scaling``) is folded into the first Gram product
             if W == 1:  # the buffer is ours: normalised in place, the result written back into it
                 X = slabs[0]
                 if scaling is None:
@@ -389,8 +390,12 @@ class Muon(torch.optim.Optimizer):
                 out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
             else:
                 full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
-                if scaling is None:
-                    self._passes.normalize_into(slabs, full.view(k, W, c, C), ns.norm_scale, ns.eps)
+                if scaling is None:  # reassembled and normalised in one pass
+                    norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
+                    if ns.norm_scale != 1.0:
+                        norm = norm * ns.norm_scale
+                    norm = norm.clamp_(min=ns.eps).view(k, 1, 1, 1)
+                    torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))
                 else:
                     full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
                 X = full[:, :R]
@@ -401,7 +406,9 @@ class Muon(torch.optim.Optimizer):
                 states = run[..., own.state_at : own.state_at + c * own.first.row_state]
                 states = states.view(torch.float32)  # [W, k, c]: v of every row, fp32 bit for bit
                 v = states.transpose(0, 1).reshape(k, W * c)[:, :R]
-                scatter_rows(states, self._passes.normuon(out, v, *ns.normuon), c)
+                factor, v = normuon_row_scale(out, v, *ns.normuon)
+                out.mul_(factor.unsqueeze(-1))  # each row scaled in place, rounded once
+                scatter_rows(states, v, c)
             if W > 1:
                 scatter_rows(slabs, out, c)
             self.stats["orthogonalized"] += k
