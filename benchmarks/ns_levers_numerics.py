@@ -93,6 +93,8 @@ def compare(shapes=SHAPES, spectra=SPECTRA, seeds=SEEDS) -> list[dict]:
                                 "gflop": count * newton_schulz_flops((m, n), steps, gram) / 1e9,
                                 "gram_form": gram and uses_gram_form((m, n), steps),
                                 "to_polar": ((out - polar).norm() / polar.norm()).item(),
+                                # the step's size against an orthogonal matrix's (1): Muon's update scale
+                                "size": (out.norm() / min(m, n) ** 0.5).item(),
                             }
                         )
     return rows
@@ -102,10 +104,13 @@ def print_table(rows: list[dict]) -> None:
     base = {(r["shape"], r["p"], r["seed"]): r["to_polar"] for r in rows if r["variant"] == VARIANTS[0][0]}
     for r in rows:
         r["ratio"] = r["to_polar"] / base[r["shape"], r["p"], r["seed"]]
-    print("distance to the polar factor ||O - UV^T|| / ||UV^T||, mean over draws; x: against torch x5")
+    print(
+        "distance to the polar factor ||O - UV^T|| / ||UV^T||, mean over draws; x: against torch x5;"
+        " s: the output's ||O||_F / sqrt(min(m, n)), the update's size against an orthogonal matrix's"
+    )
     print(
         f"{'model':<5} {'shape':<11} {'variant':<22} {'GFLOP/step':>10} "
-        + " ".join(f"{'p=' + str(p):>15}" for p in SPECTRA)
+        + " ".join(f"{'p=' + str(p):>21}" for p in SPECTRA)
     )
     for model in dict.fromkeys(r["model"] for r in rows):
         for shape in dict.fromkeys(r["shape"] for r in rows if r["model"] == model):
@@ -116,10 +121,11 @@ def print_table(rows: list[dict]) -> None:
                     ps = [r for r in sel if r["p"] == p]
                     cells.append(
                         f"{np.mean([r['to_polar'] for r in ps]):.3f} x{np.mean([r['ratio'] for r in ps]):.2f}"
+                        f" s{np.mean([r['size'] for r in ps]):.2f}"
                     )
                 print(
                     f"{model:<5} {shape[0]}x{shape[1]:<6} {label:<22} {sel[0]['gflop']:>10.0f} "
-                    + " ".join(f"{c:>15}" for c in cells)
+                    + " ".join(f"{c:>21}" for c in cells)
                 )
     print("\nper model: Newton–Schulz FLOPs per step and the worst / mean distance ratio over its shapes")
     for model in dict.fromkeys(r["model"] for r in rows):
