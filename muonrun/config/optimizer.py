@@ -57,9 +57,10 @@ class MuonConfig:
     not the default: at 1.5B, 300 steps of the presets' recipe trained to a loss 19% above the default
     iteration's. Use it to study Newton–Schulz, not to train."""
     fused: bool | None = None
-    """Fewer passes over memory in Muon's step, the same arithmetic up to fp32 rounding: momentum,
+    """Fewer passes over memory in Muon's step, the same arithmetic up to rounding: momentum,
     Nesterov look-ahead and the cast into the bf16 exchange buffer as one compiled kernel, weight
-    decay and the update as another (torch.compile). Pays most on one GPU, where Muon's own
+    decay and the update as another, the division of each owned matrix by its norm as a third
+    (torch.compile). Pays most on one GPU, where Muon's own
     elementwise work is not shared across ranks; the first step compiles a few small kernels. None:
     on for GPUs, off on CPU (`true` there runs the same ops eagerly, and says so once)."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
