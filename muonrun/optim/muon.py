@@ -133,9 +133,9 @@ class Muon(torch.optim.Optimizer):
       scaling taken from the first Gram product (``newton_schulz.Scaling``), meant for the shorter
       ``ns_coefficients="turbo"`` table;
     - ``fused`` (default False): the momentum, Nesterov look-ahead and cast into the exchange
-      buffer as one compiled pass, the decay and update as another (``muonrun.optim.fused``;
-      compiled on GPUs, the same foreach ops run eagerly elsewhere): fewer passes over memory, the
-      same arithmetic up to fp32 rounding;
+      buffer as one compiled pass, the decay and update as another, the owner's division by the
+      norm (of contiguous stacks) as a third (``muonrun.optim.fused``; compiled on GPUs, the same
+      ops run eagerly elsewhere): fewer passes over memory, the same arithmetic up to rounding;
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
