@@ -11,9 +11,9 @@ transposes of those above, one copy each.
 
 It is the same idea as the upper-triangle Triton kernels (``ns_triton.py``), which skip half the
 FLOPs but lose to cuBLAS on an H200 (docs/performance.md); here every product stays a cuBLAS
-product, at the price of fewer FLOPs skipped, smaller products and the mirror copies. Which side of
-that trade wins is what ``bench_ns_products.py --evaluations blocked2,blocked3`` measures; this is a
-study, not part of Muon.
+product, at the price of fewer FLOPs skipped, smaller products and the mirror copies. On an H200 the
+trade loses except for the rectangular Gram product (docs/performance.md, [w1]:
+``bench_ns_products.py --evaluations blocked2,blocked3``); this is a study, not part of Muon.
 """
 
 from __future__ import annotations
