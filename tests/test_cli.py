@@ -255,6 +255,18 @@ def test_a_warmup_as_long_as_the_run_is_warned_about_and_runs():
     assert "WARNING" not in quiet.output
 
 
+def test_muon_overrides_on_an_adamw_run_are_warned_about():
+    result = runner.invoke(app, ["pretrain", "tiny", "optimizer.muon.lr=0.01", "--dry-run"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "WARNING: optimizer.muon.lr set by an override, but optimizer.name is 'adamw'" in text
+    assert "Add optimizer.name=muon" in text
+    quiet = runner.invoke(
+        app, ["pretrain", "tiny", "optimizer.name=muon", "optimizer.muon.lr=0.01", "--dry-run"]
+    )
+    assert quiet.exit_code == 0 and "WARNING" not in quiet.output, quiet.output
+
+
 def test_a_plan_that_needs_more_memory_than_a_worker_has_is_warned_about(monkeypatch):
     from muonrun.tools import plan
 

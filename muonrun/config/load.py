@@ -267,12 +267,22 @@ def load_config(
     for key, value in (environment or {}).items():
         OmegaConf.update(cfg, key, value)
     cfg = _merge(cfg, _load_yaml(path), f"'{path}'")
-    for key, value, add in _parse_overrides(list(overrides)):
+    parsed = _parse_overrides(list(overrides))
+    for key, value, add in parsed:
         try:
             cfg = _apply_override(cfg, key, value, add)
         except OmegaConfBaseException as e:  # a key OmegaConf cannot even look up (data.sources[a].path)
             raise UserError(f"Override '{key}={value}' names no config key: {_first_line(e)}.") from None
-    return validate(cfg)
+    config = validate(cfg)
+    muon = [key for key, _, _ in parsed if key.split(".")[:2] == ["optimizer", "muon"]]
+    if muon and config.optimizer.name != "muon":  # a warning, not an error: `bench` variants share overrides
+        from muonrun import log
+
+        log.warning(
+            f"{', '.join(muon)} set by an override, but optimizer.name is '{config.optimizer.name}': Muon's "
+            "settings are ignored and the run trains with AdamW. Add optimizer.name=muon to train with Muon."
+        )
+    return config
 
 
 def _typed(cfg: DictConfig) -> Config:
