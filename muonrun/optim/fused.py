@@ -11,7 +11,7 @@ the foreach ops of a list into combined kernels, so the same Python runs eagerly
 The owner's normalisation divides each matrix of a bf16 stack by its norm: eager PyTorch runs that
 broadcast on its generic strided kernel, at about a third of the memory bandwidth a compiled kernel
 reaches (the 1.5B step on one GPU: docs/performance.md). NorMuon's row scaling stays eager: compiled,
-on its strided stacks, it measured slower.
+on its strided stacks (see ``Passes.normalize``), it measured slower.
 
 ``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
 bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
@@ -127,7 +127,8 @@ class Passes:
     def normalize(self, X: Tensor, norm_scale: float, eps: float) -> None:
         """``frobenius_normalize_`` on an owned stack: compiled (once per shape) where the stack is
         contiguous, eager where it is a strided view (NorMuon's, whose rows' state sits between the
-        matrices), for which the compiled pass measured slower than the eager one."""
+        matrices): inductor writes a mutated strided input through a full-size temporary and a copy,
+        which made the compiled pass slower than the eager one there."""
         if not X.is_contiguous():
             return frobenius_normalize_(X, norm_scale, eps)
         self._call(_layout("normalize", X), frobenius_normalize_, X, norm_scale, eps)
