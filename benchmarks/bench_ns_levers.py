@@ -1,7 +1,8 @@
 """Muon's Newton–Schulz levers and fused passes on one GPU: time and distance to the polar factor.
 
 usage (one CUDA GPU), from the repository root:
-    python benchmarks/bench_ns_levers.py [--out results.json] [--models 0.5b,1.5b] [--quick]
+    python benchmarks/bench_ns_levers.py [--out results.json] [--models 0.5b,1.5b] [--skip-ns | --skip-step]
+        [--steps "muon gram fused,normuon gram fused"] [--profile "muon gram fused"]
 
 1. Per preset matrix shape (Qwen2-0.5B: 896 x 896, 128 x 896, 4864 x 896, 896 x 4864; Qwen2-1.5B:
    1536 x 1536, 256 x 1536, 8960 x 1536, 1536 x 8960), as many matrices as the model has, batched as
@@ -235,6 +236,15 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="comma-separated step variants to profile after timing")
     args = ap.parse_args()
     models = args.models.split(",")
+    chosen = set(args.steps.split(",")) if args.steps else None
+    profiled = tuple(filter(None, args.profile.split(",")))
+    labels = [label for label, _ in STEP_VARIANTS]
+    unknown = sorted({*(chosen or ()), *profiled} - set(labels))
+    if unknown or (chosen is not None and not set(profiled) <= chosen):  # checked before any timing
+        sys.exit(
+            f"bench_ns_levers.py: --steps/--profile name {unknown or list(profiled)}; step variants: {labels}"
+            " (a profiled variant must also be timed)"
+        )
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
     print(env, flush=True)
     result = {"env": env}
@@ -243,11 +253,10 @@ def main() -> None:
         if args.out:  # written as soon as it exists: a later part may be cut short
             Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.skip_step:
-        chosen = set(args.steps.split(",")) if args.steps else None
         result["step"] = step_table(
             args.step_models.split(",") if args.step_models else models,
             args.iters,
-            tuple(filter(None, args.profile.split(","))),
+            profiled,
             chosen,
         )
     if args.out:
