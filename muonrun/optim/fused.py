@@ -74,13 +74,18 @@ def decay_and_update(
         compat.foreach_add_(ps, us, alpha=scalars[a])
 
 
-def frobenius_normalize_(X: Tensor, norm_scale: float, eps: float) -> None:
-    """``X /= max(norm_scale * ||X||_F, eps)`` for each matrix of a stack ``[k, m, n]``, in place:
-    torch.optim.Muon's normalisation (zero padding rows change no norm)."""
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+def frobenius_divisors(X: Tensor, dim: tuple[int, ...], norm_scale: float, eps: float) -> Tensor:
+    """``max(norm_scale * ||.||_F, eps)`` over ``dim`` of ``X``: what torch.optim.Muon divides each
+    matrix by (zero padding rows change no norm)."""
+    norm = torch.linalg.vector_norm(X, dim=dim)
     if norm_scale != 1.0:
         norm = norm * norm_scale
-    X.div_(norm.clamp_(min=eps))
+    return norm.clamp_(min=eps)
+
+
+def frobenius_normalize_(X: Tensor, norm_scale: float, eps: float) -> None:
+    """``X /= frobenius_divisors`` for each matrix of a stack ``[k, m, n]``, in place."""
+    X.div_(frobenius_divisors(X, (-2, -1), norm_scale, eps).view(-1, 1, 1))
 
 
 def _fresh(fn: Callable) -> Callable:

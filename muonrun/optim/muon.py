@@ -72,7 +72,7 @@ from torch import Tensor
 from muonrun import compat
 from muonrun.distributed import local_tensor
 from muonrun.optim.experts import check_stacked, expert_chunks, expert_rows_like, step_stacked
-from muonrun.optim.fused import Passes
+from muonrun.optim.fused import Passes, frobenius_divisors
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
     DEFAULT_EPS,
@@ -391,10 +391,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
                 if scaling is None:  # reassembled and normalised in one pass
-                    norm = torch.linalg.vector_norm(slabs, dim=(0, 2, 3))
-                    if ns.norm_scale != 1.0:
-                        norm = norm * ns.norm_scale
-                    norm = norm.clamp_(min=ns.eps).view(k, 1, 1, 1)
+                    norm = frobenius_divisors(slabs, (0, 2, 3), ns.norm_scale, ns.eps).view(k, 1, 1, 1)
                     torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))
                 else:
                     full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
