@@ -495,15 +495,16 @@ def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
             graphs.append(len(compiled))
         buckets = opts[1]._plan[0].buckets
         assert opts[1]._passes.compiled and len(buckets) > 1
-        # the owner's normalisation compiles once per stack layout, shared by buckets; NorMuon's
-        # stacks of several are strided views (its rows' state between the matrices): normalised eagerly
-        layouts = [key for key in opts[1]._passes._fns if key[0] == "normalize"]
+        # the owner's normalisation (and NorMuon's row scaling) compiles once per stack layout,
+        # shared by buckets: NorMuon's too, whose rows' state sits between its matrices
+        keys = list(opts[1]._passes._fns)
+        layouts = [key for key in keys if key[0] == "normalize"]
+        rows = [key for key in keys if key[0] == "scale_rows"]
         stacks = sum(len(b.owned) for b in buckets)
-        if variant == "muon":
-            assert 0 < len(layouts) < stacks, (layouts, stacks)
-        else:  # only single matrices, contiguous whatever follows them
-            assert all(key[1][0][0] == 1 for key in layouts), layouts
-        assert graphs == [2 * len(buckets) + len(layouts)] * 4, (graphs, len(buckets), len(layouts))
+        assert 0 < len(layouts) < stacks, (layouts, stacks)
+        assert len(rows) == (len(layouts) if variant == "normuon" else 0), (rows, layouts)
+        expected = 2 * len(buckets) + len(layouts) + len(rows)
+        assert graphs == [expected] * 4, (graphs, len(buckets), len(layouts), len(rows))
         for p, q, q0 in zip(traced, eager, init, strict=True):
             assert (p - q).abs().max() <= 1e-5 * (q - q0).abs().max(), (variant, tuple(p.shape))
 
@@ -862,8 +863,8 @@ def test_on_a_gpu_muon_keeps_torchs_bf16_newton_schulz():
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
-    """On a GPU ``fused`` compiles the elementwise passes, the owner's normalisation of contiguous
-    stacks among them (inductor kernels, not the eager ones): 10 steps stay within rounding of the
+    """On a GPU ``fused`` compiles the elementwise passes, the owner's normalisation and NorMuon's row
+    scaling among them (inductor kernels, not the eager ones): 10 steps stay within rounding of the
     eager passes, for Muon and NorMuon."""
     init = [p.cuda() for p in make_params(16)]
     for variant in ("muon", "normuon"):
@@ -878,9 +879,8 @@ def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
                 opt.step()
         keys = list(opts[True]._passes._fns)
         assert opts[True]._passes.compiled and not opts[False]._passes.compiled
-        assert {"momentum", "update", "normalize"} <= {key[0] for key in keys}, keys
-        if variant == "normuon":  # its stacks of several are strided views: normalised eagerly
-            assert all(key[1][0][0] == 1 for key in keys if key[0] == "normalize"), keys
+        passes = {"momentum", "update", "normalize"} | ({"scale_rows"} if variant == "normuon" else set())
+        assert {key[0] for key in keys} == passes, keys
         assert_matches(runs[True], runs[False], init)
 
 

@@ -122,12 +122,12 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
     opt._passes.momentum(key, bufs, grads, updates, s.momentum, s.nesterov)
     scaling = ns.scaling()
     if scaling is None:  # Frobenius: a pass of its own; AOL is folded into the first product
-        opt._passes.normalize(X, ns.norm_scale, ns.eps)
+        opt._passes.normalize(X.view(X.shape[0], -1), rows, cols, ns.norm_scale, ns.eps)
     opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
     if ns.normuon:
         v = torch.cat([v.view(-1, rows) for v in vs])
         factor, v = normuon_row_scale(X, v, *ns.normuon)
-        X.mul_(factor.unsqueeze(-1))  # each row scaled in place, rounded once
+        opt._passes.scale_rows(X.view(X.shape[0], -1), rows, cols, factor)  # in place, rounded once
         compat.foreach_copy_([v.view(-1, rows) for v in vs], list(v.view(len(params), -1, rows).unbind(0)))
     opt.stats["orthogonalized"] += X.shape[0]
     opt.stats["gram"] += X.shape[0] * (opt.gram and uses_gram_form((rows, cols), len(ns.per_step)))

@@ -8,10 +8,13 @@ group is one pass (read the gradient and the buffer, write the buffer and the bf
 bytes; read the parameter and the update, write the parameter: 10). torch.compile's inductor fuses
 the foreach ops of a list into combined kernels, so the same Python runs eagerly or compiled.
 
-The owner's normalisation divides each matrix of a bf16 stack by its norm: eager PyTorch runs that
-broadcast on its generic strided kernel, at about a third of the memory bandwidth a compiled kernel
-reaches (the 1.5B step on one GPU: docs/performance.md). NorMuon's row scaling stays eager: compiled,
-on its strided stacks (see ``Passes.normalize``), it measured slower.
+The owner's passes over the stacks it orthogonalises, dividing each matrix by its norm and scaling
+each NorMuon row by its factor, broadcast one number per matrix or per row over bf16 data: eager
+PyTorch runs those on its generic strided kernel, at about a third of the memory bandwidth a
+compiled kernel reaches (the 1.5B step on one GPU: docs/performance.md). They take the stack as the
+leading ``rows * cols`` elements of each row of a contiguous ``[k, slab]`` tensor (``leading``),
+because NorMuon keeps its rows' state between the matrices: inductor writes a mutated *strided*
+input through a full-size temporary and a copy, but the slice of a contiguous one in place.
 
 ``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
 bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
@@ -88,6 +91,23 @@ def frobenius_normalize_(X: Tensor, norm_scale: float, eps: float) -> None:
     X.div_(frobenius_divisors(X, (-2, -1), norm_scale, eps).view(-1, 1, 1))
 
 
+def leading(base: Tensor, rows: int, cols: int) -> Tensor:
+    """The stack ``[k, rows, cols]`` held in the first ``rows * cols`` elements of each row of
+    ``base`` ``[k, slab]`` (a view)."""
+    return base[:, : rows * cols].view(base.shape[0], rows, cols)
+
+
+def normalize_leading_(base: Tensor, rows: int, cols: int, norm_scale: float, eps: float) -> None:
+    """``frobenius_normalize_`` on ``leading(base, rows, cols)``."""
+    frobenius_normalize_(leading(base, rows, cols), norm_scale, eps)
+
+
+def scale_leading_rows_(base: Tensor, rows: int, cols: int, factor: Tensor) -> None:
+    """Row ``i`` of matrix ``j`` of ``leading(base, rows, cols)`` times ``factor[j, i]`` (fp32), in
+    place, rounded once."""
+    leading(base, rows, cols).mul_(factor.unsqueeze(-1))
+
+
 def _fresh(fn: Callable) -> Callable:
     """A copy of ``fn`` with its own code object: dynamo keeps one cache per code object."""
     return types.FunctionType(
@@ -129,14 +149,16 @@ class Passes:
     def momentum(self, key: tuple, bufs, grads, dsts, momentum: float, nesterov: bool) -> None:
         self._call(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov)
 
-    def normalize(self, X: Tensor, norm_scale: float, eps: float) -> None:
-        """``frobenius_normalize_`` on an owned stack: compiled (once per shape) where the stack is
-        contiguous, eager where it is a strided view (NorMuon's, whose rows' state sits between the
-        matrices): inductor writes a mutated strided input through a full-size temporary and a copy,
-        which made the compiled pass slower than the eager one there."""
-        if not X.is_contiguous():
-            return frobenius_normalize_(X, norm_scale, eps)
-        self._call(_layout("normalize", X), frobenius_normalize_, X, norm_scale, eps)
+    def normalize(self, base: Tensor, rows: int, cols: int, norm_scale: float, eps: float) -> None:
+        """``normalize_leading_`` on an owned stack (``base`` contiguous ``[k, slab]``; compiled once
+        per layout, shared across buckets)."""
+        key = (*_layout("normalize", base), rows, cols)
+        self._call(key, normalize_leading_, base, rows, cols, norm_scale, eps)
+
+    def scale_rows(self, base: Tensor, rows: int, cols: int, factor: Tensor) -> None:
+        """``scale_leading_rows_``: NorMuon's factors applied to an owned stack (as ``normalize``)."""
+        key = (*_layout("scale_rows", base, factor), rows, cols)
+        self._call(key, scale_leading_rows_, base, rows, cols, factor)
 
     def decay_and_update(self, key: tuple, runs: Sequence[tuple[list, list, float, float]]) -> None:
         """``runs``: (params, updates, decay factor, update scale) per group and shape. The host

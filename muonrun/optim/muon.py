@@ -134,8 +134,8 @@ class Muon(torch.optim.Optimizer):
       ``ns_coefficients="turbo"`` table;
     - ``fused`` (default False): the momentum, Nesterov look-ahead and cast into the exchange
       buffer as one compiled pass, the decay and update as another, the owner's division by the
-      norm (of contiguous stacks) as a third (``muonrun.optim.fused``; compiled on GPUs, the same
-      ops run eagerly elsewhere): fewer passes over memory, the same arithmetic up to rounding;
+      norm and NorMuon's row scaling as two more (``muonrun.optim.fused``; compiled on GPUs, the
+      same ops run eagerly elsewhere): fewer passes over memory, the same arithmetic up to rounding;
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -386,7 +386,7 @@ class Muon(torch.optim.Optimizer):
             if W == 1:  # the buffer is ours: normalised in place, the result written back into it
                 X = slabs[0]
                 if scaling is None:
-                    self._passes.normalize(X, ns.norm_scale, ns.eps)
+                    self._passes.normalize(run[0], c, C, ns.norm_scale, ns.eps)
                 out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
             else:
                 full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
@@ -404,7 +404,8 @@ class Muon(torch.optim.Optimizer):
                 states = states.view(torch.float32)  # [W, k, c]: v of every row, fp32 bit for bit
                 v = states.transpose(0, 1).reshape(k, W * c)[:, :R]
                 factor, v = normuon_row_scale(out, v, *ns.normuon)
-                out.mul_(factor.unsqueeze(-1))  # each row scaled in place, rounded once
+                # each row scaled in place, rounded once (one rank: in the buffer, c == R)
+                self._passes.scale_rows(run[0] if W == 1 else out.view(k, -1), R, C, factor)
                 scatter_rows(states, v, c)
             if W > 1:
                 scatter_rows(slabs, out, c)
