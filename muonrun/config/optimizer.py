@@ -60,9 +60,9 @@ class MuonConfig:
     """Fewer passes over memory in Muon's step, the same arithmetic up to rounding: momentum,
     Nesterov look-ahead and the cast into the bf16 exchange buffer as one compiled kernel, weight
     decay and the update as another, the division of each owned matrix by its norm and NorMuon's
-    row scaling as two more (torch.compile). Pays most on one GPU, where Muon's own elementwise work is not shared across
-    ranks; the first step compiles a few small kernels. None: on for GPUs, off on CPU (`true` there
-    runs the same ops eagerly, and says so once)."""
+    row scaling as two more (torch.compile). Pays most on one GPU, where Muon's own elementwise
+    work is not shared across ranks; the first step compiles a few small kernels. None: on for
+    GPUs, off on CPU (`true` there runs the same ops eagerly, and says so once)."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
