@@ -223,7 +223,6 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
         max_restarts=plan.max_restarts,
         local_addr=plan.local_addr,
         start_method="spawn",
-        monitor_interval=0.5,
         logs_specs=DefaultLogsSpecs(log_dir=str(control / "torchelastic")),
         signals_to_handle=TORCH_HANDLES,
     )
