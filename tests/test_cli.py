@@ -245,26 +245,33 @@ def test_cuda_settings_on_a_machine_without_cuda_exit_2_before_any_worker_starts
     assert "Traceback" not in result.output and not (tmp_path / "run").exists()
 
 
-def test_a_warmup_as_long_as_the_run_is_warned_about_and_runs():
-    result = runner.invoke(app, ["pretrain", "tiny", "schedule.warmup_steps=300", "--dry-run"])
+@pytest.mark.parametrize(
+    "overrides, says, quiet",
+    [
+        (  # a warmup as long as the run
+            ["schedule.warmup_steps=300"],
+            [
+                "WARNING: schedule.warmup_steps (300) is not shorter than train.max_steps (150)",
+                "reaching 50% of its peak",
+            ],
+            ["schedule.warmup_steps=149"],
+        ),
+        (  # Muon settings on an AdamW run
+            ["optimizer.muon.lr=0.01"],
+            [
+                "WARNING: optimizer.muon.lr set by an override, but optimizer.name is 'adamw'",
+                "Add optimizer.name=muon",
+            ],
+            ["optimizer.name=muon", "optimizer.muon.lr=0.01"],
+        ),
+    ],
+)
+def test_a_setting_that_would_not_do_what_it_says_is_warned_about_and_runs(overrides, says, quiet):
+    result = runner.invoke(app, ["pretrain", "tiny", *overrides, "--dry-run"])
     text = " ".join(result.output.split())
-    assert result.exit_code == 0, result.output
-    assert "WARNING: schedule.warmup_steps (300) is not shorter than train.max_steps (150)" in text
-    assert "reaching 50% of its peak" in text
-    quiet = runner.invoke(app, ["pretrain", "tiny", "schedule.warmup_steps=149", "--dry-run"])
-    assert "WARNING" not in quiet.output
-
-
-def test_muon_overrides_on_an_adamw_run_are_warned_about():
-    result = runner.invoke(app, ["pretrain", "tiny", "optimizer.muon.lr=0.01", "--dry-run"])
-    text = " ".join(result.output.split())
-    assert result.exit_code == 0, result.output
-    assert "WARNING: optimizer.muon.lr set by an override, but optimizer.name is 'adamw'" in text
-    assert "Add optimizer.name=muon" in text
-    quiet = runner.invoke(
-        app, ["pretrain", "tiny", "optimizer.name=muon", "optimizer.muon.lr=0.01", "--dry-run"]
-    )
-    assert quiet.exit_code == 0 and "WARNING" not in quiet.output, quiet.output
+    assert result.exit_code == 0 and all(s in text for s in says), result.output
+    calm = runner.invoke(app, ["pretrain", "tiny", *quiet, "--dry-run"])
+    assert calm.exit_code == 0 and "WARNING" not in calm.output, calm.output
 
 
 def test_a_plan_that_needs_more_memory_than_a_worker_has_is_warned_about(monkeypatch):
