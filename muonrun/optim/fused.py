@@ -1,5 +1,5 @@
 """Muon's elementwise passes (momentum into the exchange buffer; decay and update; the owner's Frobenius
-normalisation), fused by torch.compile.
+normalisation and NorMuon's row scaling), fused by torch.compile.
 
 Muon's step reads and writes every matrix several times outside Newton–Schulz: the momentum
 update, the Nesterov look-ahead, its cast into the bf16 exchange buffer, the weight decay and the
