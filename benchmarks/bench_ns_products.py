@@ -6,7 +6,8 @@ usage (one CUDA GPU), from the repository root:
 
 The evaluations (``ns_products.Products`` subclasses beside this script, studies, not part of muonrun):
 ``triton``, the upper-triangle Triton kernels of ``ns_triton.py`` (needs triton); ``blockedN``, the
-``N x N`` upper blocks as cuBLAS products of ``ns_blocked.py``. Per preset matrix shape
+``N x N`` upper blocks as cuBLAS products of ``ns_blocked.py``; ``quack``, quack's symmetric GEMM
+(``muonrun/optim/ns_quack.py``, needs quack-kernels). Per preset matrix shape
 (benchmarks/bench_ns_levers.py's: Qwen2-0.5B and 1.5B hidden matrices, as many as the model has,
 batched as Muon's owner batches them):
 
@@ -73,11 +74,15 @@ def evaluations(names: str) -> dict[str, tuple[Products, Products]]:
             from ns_triton import TritonProducts  # benchmarks/: needs triton
 
             out[name] = (TritonProducts(min_size=1), TritonProducts())
+        elif name == "quack":
+            from muonrun.optim.ns_quack import QuackProducts  # needs quack-kernels
+
+            out[name] = (QuackProducts(min_size=1), QuackProducts())
         elif name.startswith("blocked") and name.removeprefix("blocked").isdigit():
             blocked = BlockedProducts(int(name.removeprefix("blocked")))
             out[name] = (blocked, blocked)
         else:
-            raise SystemExit(f"unknown evaluation {name!r}: triton or blockedN (N blocks per side)")
+            raise SystemExit(f"unknown evaluation {name!r}: triton, quack or blockedN (N blocks per side)")
     return out
 
 

@@ -212,6 +212,20 @@ def test_float8_is_planned_by_layer_size_and_refused_on_cpu():
     assert "Traceback" not in result.output
 
 
+def test_quacks_symmetric_products_are_refused_where_they_cannot_run(tmp_path):
+    """`optimizer.muon.ns_products=quack` on CPU (and, without the GPU, never quack's import) exits 2
+    before any worker, naming the key; `--dry-run` says which products its FLOPs are counted for."""
+    args = ["pretrain", "tiny", "optimizer.name=muon", f"output_dir={tmp_path / 'run'}"]
+    result = runner.invoke(app, [*args, "optimizer.muon.ns_products=quack", "train.max_steps=1"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "'optimizer.muon.ns_products'" in text and "no GPU" in text, (
+        result.output
+    )
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+    plan = runner.invoke(app, [*args, "--dry-run"])
+    assert plan.exit_code == 0 and "torch's products" in " ".join(plan.output.split()), plan.output
+
+
 def test_an_output_dir_that_cannot_hold_a_run_exits_2_before_training(tmp_path):
     a_file = tmp_path / "not-a-folder"
     a_file.write_text("x")

@@ -24,7 +24,7 @@ from muonrun.optim import (
     resolve_ns_coefficients,
 )
 from muonrun.optim.newton_schulz import ns_iterations
-from muonrun.optim.ns_products import TORCH_PRODUCTS
+from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
 
 torch_muon = pytest.importorskip("torch.optim._muon")
 TorchMuon = torch.optim.Muon
@@ -347,6 +347,38 @@ def test_newton_schulz_flops_counts_what_runs(shape, steps, gram):
         newton_schulz(torch.randn(shape), steps=steps, gram=gram)
     assert counter.get_total_flops() == math.prod(shape[:-2]) * newton_schulz_flops(shape, steps, gram)
     assert newton_schulz_flops((3, 5), 5) == 5 * (4 * 9 * 5 + 2 * 27)  # by hand
+    # symmetric: the products with a symmetric result (all but ``apply``) at half, as counted while they run
+    symmetric = SymmetricFlops()
+    X = torch.randn(shape).reshape(-1, *shape[-2:])
+    with FlopCounterMode(display=False) as whole:
+        ns_iterations(X / X.norm(dim=(-2, -1), keepdim=True), [DEFAULT_NS_COEFFICIENTS] * steps, gram=gram,
+                      products=[symmetric] * steps)  # fmt: skip
+    assert whole.get_total_flops() - symmetric.flops // 2 == X.shape[0] * newton_schulz_flops(
+        shape, steps, gram, symmetric=True
+    )
+
+
+class SymmetricFlops(Products):
+    """torch's products, counting the FLOPs of those whose result is symmetric."""
+
+    flops = 0
+
+    def _counted(self, fn, *args):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            out = fn(*args)
+        self.flops += counter.get_total_flops()
+        return out
+
+    def gram(self, Y, tall):
+        return self._counted(super().gram, Y, tall)
+
+    def poly(self, A, b, c):
+        return self._counted(super().poly, A, b, c)
+
+    def sym_mm(self, P, Q):
+        return self._counted(super().sym_mm, P, Q)
 
 
 def test_gram_newton_schulz_is_cheaper_only_where_it_is_used():
@@ -596,9 +628,31 @@ def test_dry_run_names_the_newton_schulz_settings_it_counts():
     from muonrun.config import MuonConfig
     from muonrun.tools.plan import ns_settings
 
-    assert ns_settings(MuonConfig()) == "5 iterations, default coefficients, frobenius scaling"
+    assert ns_settings(MuonConfig(), False) == (
+        "5 iterations, default coefficients, frobenius scaling, torch's products"
+    )
     aol = MuonConfig(ns_steps=4, ns_coefficients="turbo", ns_precondition="aol", gram_ns=True)
-    assert ns_settings(aol) == "4 iterations, turbo coefficients, aol scaling, Gram form where wide"
+    assert ns_settings(aol, True) == (
+        "4 iterations, turbo coefficients, aol scaling, Gram form where wide, "
+        "quack's symmetric products (one triangle of each symmetric result)"
+    )
+
+
+def test_newton_schulz_products_are_chosen_by_name_and_where_they_pay():
+    """`ns_products`: torch's on CPU whatever `auto` finds; `quack` needs quack-kernels; no other name."""
+    from muonrun.config import load_config
+    from muonrun.optim.build import build_optimizers, products_for
+    from muonrun.optim.ns_products import quack_installed, quack_pays
+
+    assert not quack_pays("cpu")
+    assert products_for("auto", "cpu") is TORCH_PRODUCTS and products_for("torch", "cuda") is TORCH_PRODUCTS
+    with pytest.raises(ValueError, match="unknown ns_products 'cublas'"):
+        products_for("cublas", "cpu")
+    if not quack_installed():
+        with pytest.raises(ImportError):
+            products_for("quack", "cuda")
+    muon = build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cpu")[0]
+    assert muon.products is TORCH_PRODUCTS
 
 
 def test_normuon_row_scale_is_normuon_normalize():
@@ -882,6 +936,57 @@ def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
         passes = {"momentum", "update", "normalize"} | ({"scale_rows"} if variant == "normuon" else set())
         assert {key[0] for key in keys} == passes, keys
         assert_matches(runs[True], runs[False], init)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_quacks_symmetric_products_are_torchs_products():
+    """quack's symmetric GEMM (``ns_products=quack``) against torch's bmm on a GPU: each symmetric result
+    within one bf16 rounding and exactly symmetric where both triangles are the same dot products,
+    Newton–Schulz in both forms within rounding, and Muon (Gram form) stepping as with torch's."""
+    pytest.importorskip("quack", reason="needs quack-kernels (pip install 'muonrun[quack]')")
+    from muonrun.optim.ns_quack import QuackProducts
+
+    quack = QuackProducts()
+    calls = []
+    gemm = quack._gemm_symmetric
+    quack._gemm_symmetric = lambda *a, **kw: calls.append(1) or gemm(*a, **kw)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for shape in [(3, 640, 640), (3, 640, 1536), (3, 1536, 640)]:  # square, wide, tall
+        X = torch.randn(shape, device="cuda", generator=g).bfloat16()
+        X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+        tall = shape[1] > shape[2]
+        A = TORCH_PRODUCTS.gram(X, tall)
+        P = TORCH_PRODUCTS.poly(A, -4.775, 2.0315)
+        for got, ref, exact in [
+            (quack.gram(X, tall), A, True),
+            (quack.poly(A, -4.775, 2.0315), P, True),
+            (quack.sym_mm(P, A), TORCH_PRODUCTS.sym_mm(P, A), False),  # P A: commuting, rounded apart
+        ]:
+            torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=2**-8 * ref.abs().max().item())
+            assert torch.equal(got, got.mT) or not exact
+        per_step = [DEFAULT_NS_COEFFICIENTS] * 5
+        for gram in (False, True):
+            ours = ns_iterations(X, per_step, gram=gram, products=[quack] * 5).float()
+            ref = ns_iterations(X, per_step, gram=gram).float()
+            assert (ours - ref).norm() / ref.norm() < 0.02, (shape, gram)
+    assert len(calls) >= 3 * (3 + 2 * 5)  # at least the checks' and the standard form's ran on quack
+    before = len(calls)
+    shapes = [(640, 1536), (1536, 640), (640, 640), (640, 1536)]  # at least QUACK_MIN_SIZE on a side
+    init = [p.cuda() for p in make_params(17, shapes)]
+    runs = {name: [p.clone() for p in init] for name in ("quack", "torch")}
+    opts = {
+        name: Muon(ps, lr=LR, weight_decay=0.1, gram=True, products=quack if name == "quack" else None)
+        for name, ps in runs.items()
+    }
+    for step in range(10):
+        grads = make_params(100 + step, shapes)
+        for ps in runs.values():
+            for p, grad in zip(ps, grads, strict=True):
+                p.grad = grad.cuda()
+        for opt in opts.values():
+            opt.step()
+    assert len(calls) > before
+    assert_matches(runs["quack"], runs["torch"], init)
 
 
 def test_rejects_bad_params():

@@ -67,6 +67,15 @@ class MuonConfig:
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
     several times slower (docs/performance.md)."""
+    ns_products: Literal["auto", "torch", "quack"] = "auto"
+    """How Newton–Schulz's matrix products run: `torch` (cuBLAS's bmm, torch.optim.Muon's); `quack`,
+    quack's symmetric GEMM for the three products per iteration whose result is symmetric (X X^T,
+    the polynomial in it and, in the Gram form, the products of polynomials): it computes the tiles on
+    and above the diagonal and mirrors them, half those products' FLOPs, each entry the same
+    bf16-input, fp32-accumulated dot product (`pip install 'muonrun[quack]'`, an NVIDIA GPU; matrices
+    of side 512 and up, torch's below). It pays most where large matrices dominate: Newton–Schulz's
+    time per model on one H200 is in docs/performance.md. `auto`: quack on Hopper GPUs where it is
+    installed, torch's elsewhere. The first step compiles its kernels."""
     muon_patterns: list[str] = field(default_factory=list)
     """Parameter-name globs forced into Muon (must be 2-D)."""
     adamw_patterns: list[str] = field(default_factory=list)

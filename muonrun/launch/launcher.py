@@ -136,6 +136,7 @@ def launch(cfg: Config) -> int:
     from muonrun.distributed import check_device, pick_device_type
     from muonrun.features import enabled
     from muonrun.model.build import check_model
+    from muonrun.optim.build import check_optimizer
 
     check_device(cfg)
     plan = make_plan(cfg)
@@ -145,6 +146,7 @@ def launch(cfg: Config) -> int:
     device_type = pick_device_type(cfg)
     for feature in features:
         feature.check(device_type)
+    check_optimizer(cfg.optimizer, device_type)
     tokenizer = check_data(cfg)
     check_model(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features)
     config_yaml = to_yaml(cfg)

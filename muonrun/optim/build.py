@@ -7,17 +7,20 @@ only optim module that reads the config; `muonrun.optim` itself does not import 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from muonrun.config import OptimizerConfig
+from muonrun.errors import UserError
 from muonrun.optim.adamw import AdamW
 from muonrun.optim.experts import matrices_per_expert
 from muonrun.optim.groups import split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
+from muonrun.optim.ns_products import TORCH_PRODUCTS, Products, quack_installed, quack_pays
 
 
 def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> AdamW:
@@ -39,6 +42,29 @@ def build_adamw(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[
     split = split_params(model)
     decay = split.muon + split.experts + split.adamw_decay
     return [_adamw(_adamw_groups(decay, split.adamw_no_decay, o), o, device_type)]
+
+
+def products_for(name: str, device_type: str) -> Products:
+    """The evaluation named by ``optimizer.muon.ns_products``: ``"torch"``; ``"quack"``
+    (``ns_quack.QuackProducts``; raises ImportError without quack-kernels); ``"auto"``: quack where
+    ``quack_pays``, else torch's (an installed quack that fails to import is warned about, not fatal)."""
+    if name not in ("auto", "torch", "quack"):
+        raise ValueError(f"unknown ns_products {name!r}; expected auto, torch or quack")
+    if name == "torch" or (name == "auto" and not quack_pays(device_type)):
+        return TORCH_PRODUCTS
+    from muonrun.optim.ns_quack import QuackProducts
+
+    if name == "quack":
+        return QuackProducts()
+    try:
+        return QuackProducts()
+    except Exception as e:  # a broken optional install must not stop a run that did not ask for it
+        warnings.warn(
+            f"optimizer.muon.ns_products=auto: quack is installed but does not import ({type(e).__name__}: {e}); "
+            "Newton-Schulz uses torch's products. Set optimizer.muon.ns_products=torch to silence this.",
+            stacklevel=2,
+        )
+        return TORCH_PRODUCTS
 
 
 def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
@@ -68,10 +94,28 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         ns_dtype=ns_dtype_for(m.ns_dtype, device_type),
         precondition=m.ns_precondition,
         fused=m.fused if m.fused is not None else device_type == "cuda",
+        products=products_for(m.ns_products, device_type),
     )
     adamw_groups = _adamw_groups(split.adamw_decay, split.adamw_no_decay, o)
     # LoRA: when only the adapters train, all that trains is Muon's (their A and B) and no AdamW is needed.
     return [muon, _adamw(adamw_groups, o, device_type)] if adamw_groups else [muon]
+
+
+def check_optimizer(o: OptimizerConfig, device_type: str) -> None:
+    """What the optimizer settings need from this machine, checked before any worker starts."""
+    if o.name != "muon" or o.muon.ns_products != "quack":
+        return
+    if device_type != "cuda":
+        raise UserError(
+            "Config key 'optimizer.muon.ns_products' is 'quack', but this run has no GPU: quack's symmetric "
+            "GEMM needs an NVIDIA GPU. Set optimizer.muon.ns_products=auto (torch's products on CPU)."
+        )
+    if not quack_installed():
+        raise UserError(
+            "Config key 'optimizer.muon.ns_products' is 'quack', but quack-kernels is not installed: "
+            "pip install 'muonrun[quack]', or set optimizer.muon.ns_products=auto (quack where installed, "
+            "else torch's products)."
+        )
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, str], list[torch.optim.Optimizer]]] = {

@@ -89,6 +89,7 @@ from muonrun.optim.newton_schulz import (
     resolve_ns_coefficients,
     uses_gram_form,
 )
+from muonrun.optim.ns_products import Products
 from muonrun.optim.settings import NSSettings, StepSettings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
@@ -136,6 +137,9 @@ class Muon(torch.optim.Optimizer):
       buffer as one compiled pass, the decay and update as another, the owner's division by the
       norm and NorMuon's row scaling as two more (``muonrun.optim.fused``; compiled on GPUs, the
       same ops run eagerly elsewhere): fewer passes over memory, the same arithmetic up to rounding;
+    - ``products``: how Newton–Schulz's matrix products are evaluated (an ``ns_products.Products``;
+      None: torch's ``bmm``), e.g. ``ns_quack.QuackProducts``, whose symmetric products compute
+      one triangle (``optim.build.products_for`` picks one by name);
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -182,6 +186,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         precondition: str = "frobenius",
         fused: bool = False,
+        products: Products | None = None,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -215,6 +220,7 @@ class Muon(torch.optim.Optimizer):
         self.gram = bool(gram)
         self.ns_dtype = ns_dtype
         self.fused = bool(fused)
+        self.products = products
         self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
@@ -364,9 +370,10 @@ class Muon(torch.optim.Optimizer):
 
     def _newton_schulz(self, X: Tensor, per_step: Sequence[Coefficients], **kw) -> Tensor:
         """Newton–Schulz on a stack of owned matrices (``ns_iterations``: ``scaling``, ``out``):
-        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it. Tests override it to
-        step with another evaluation."""
-        return ns_iterations(X, per_step, gram=self.gram, **kw)
+        torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it, its products evaluated
+        by ``self.products``. Tests override it to step with another evaluation."""
+        products = None if self.products is None else [self.products] * len(per_step)
+        return ns_iterations(X, per_step, gram=self.gram, products=products, **kw)
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz

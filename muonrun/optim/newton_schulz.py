@@ -445,19 +445,24 @@ def orthogonality_residual(X: Tensor) -> Tensor:
     return torch.linalg.vector_norm(gram) / math.sqrt(X.shape[-2])
 
 
-def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gram: bool = False) -> int:
+def newton_schulz_flops(
+    shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gram: bool = False, symmetric: bool = False
+) -> int:
     """Matmul FLOPs of ``newton_schulz`` on one ``rows x cols`` matrix: per iteration, on the wide
     orientation ``m x n`` (``m <= n``), ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n).
-    With ``gram`` (where it applies): the products ``gram_iterations`` makes."""
+    With ``gram`` (where it applies): the products ``gram_iterations`` makes. ``symmetric``: the
+    products whose result is symmetric (every one but ``B X`` and ``Q X``) counted at half, as a
+    symmetric GEMM that computes one triangle makes them (``ns_quack``)."""
     m, n = sorted(shape[-2:])
+    half = 1 if symmetric else 2  # FLOPs per multiply-add of a symmetric result
     if not (gram and uses_gram_form(shape, steps)):
-        return steps * (4 * m * m * n + 2 * m**3)
+        return steps * (half * m * m * n + half * m**3 + 2 * m * m * n)
     restart = steps > GRAM_RESTART
-    flops = 2 * m * m * n * (2 + 2 * restart)  # X X^T, final Q X; restart: Q X and X X^T again
+    flops = (half + 2) * m * m * n * (1 + restart)  # X X^T and the final Q X; restart: Q X and X X^T again
     for i in range(steps):
         fresh = i == 0 or (restart and i == GRAM_RESTART)  # Q = I: P Q costs nothing
         keeps_r = i < steps - 1 and i + 1 != GRAM_RESTART
-        flops += 2 * m**3 * (1 + (not fresh) + 2 * keeps_r)
+        flops += half * m**3 * (1 + (not fresh) + 2 * keeps_r)
     return flops
 
 

@@ -10,19 +10,21 @@ Every tensor is a stack ``[k, r, c]``. "Symmetric" inputs are symmetric in exact
 matrices and polynomials in one Gram matrix, which also commute with each other); an implementation
 may read only one triangle of them and must return a full (both triangles), contiguous result.
 
-Muon uses torch's. benchmarks/ns_triton.py (upper-triangle Triton kernels) and benchmarks/ns_float8.py
-(e4m3 operands) are evaluations studied this way; on an H200 both lose to cuBLAS's bf16 products at the
-presets' shapes (docs/performance.md), so neither is part of Muon. benchmarks/ns_blocked.py (the upper
-blocks of each symmetric result as cuBLAS products) is a third, compared the same way
-(benchmarks/bench_ns_products.py, bench_ns_levers.py); it joins Muon only where it wins.
+Muon uses torch's, or ``ns_quack.QuackProducts`` (quack's symmetric GEMM: the symmetric results at
+half their FLOPs) where ``optim.build.products_for`` picks it. benchmarks/ns_triton.py (upper-triangle Triton
+kernels), benchmarks/ns_float8.py (e4m3 operands) and benchmarks/ns_blocked.py (the upper blocks as
+cuBLAS products) are evaluations studied the same way (benchmarks/bench_ns_products.py); on an H200
+they lose to cuBLAS's bf16 products at the presets' shapes (docs/performance.md), so none is part of Muon.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import Tensor
 
-__all__ = ["Products", "TORCH_PRODUCTS"]
+__all__ = ["Products", "TORCH_PRODUCTS", "quack_installed", "quack_pays"]
 
 
 class Products:
@@ -52,3 +54,17 @@ class Products:
 
 
 TORCH_PRODUCTS = Products()
+
+
+def quack_installed() -> bool:
+    """Whether quack-kernels (``pip install 'muonrun[quack]'``) can be imported, without importing it."""
+    return importlib.util.find_spec("quack") is not None
+
+
+def quack_pays(device_type: str) -> bool:
+    """Where ``"auto"`` takes quack's symmetric products: an installed quack and a Hopper GPU (compute
+    capability 9.x), where they are measured faster than cuBLAS's whole products (docs/performance.md).
+    quack also runs on other NVIDIA GPUs (8.x-12.x); ``"quack"`` chooses it there."""
+    if device_type != "cuda" or not torch.cuda.is_available() or not quack_installed():
+        return False
+    return torch.cuda.get_device_capability()[0] == 9

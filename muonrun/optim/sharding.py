@@ -289,15 +289,17 @@ def owner_flops(
     steps: int = DEFAULT_NS_STEPS,
     gram: bool = False,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    symmetric: bool = False,
 ) -> dict[str, list[int]]:
     """Newton–Schulz FLOPs per rank of one optimizer step for matrices of these shapes on a shard
     group of ``world`` ranks: ``"balanced"``, as Muon assigns owners (``assign_owners``), and
     ``"round_robin"``, each shape's matrices dealt to the ranks in turn (the matrices grouped by
-    shape in order of appearance, the next shape starting where the last one stopped)."""
+    shape in order of appearance, the next shape starting where the last one stopped). ``symmetric``:
+    counted as a symmetric GEMM runs them (``newton_schulz_flops``)."""
     by_shape: dict[tuple[int, int], list[Item]] = {}
     for shape in shapes:
         rows, cols = int(shape[0]), int(shape[1])
-        cost = newton_schulz_flops((rows, cols), steps, gram)
+        cost = newton_schulz_flops((rows, cols), steps, gram, symmetric)
         by_shape.setdefault((rows, cols), []).append(Item(None, 0, rows, cols, rows, rows, cost))
     round_robin = [0] * world
     for i, it in enumerate(it for items in by_shape.values() for it in items):

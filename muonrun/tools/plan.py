@@ -71,7 +71,9 @@ def mlp_width(hf) -> int | None:
     return experts_per_token(hf) * (hf.moe_intermediate_size + hf.hidden_size // 2) + shared
 
 
-def expert_ns_flops(stacked: list, steps: int, dp_shard: int, gram: bool = False) -> list[int]:
+def expert_ns_flops(
+    stacked: list, steps: int, dp_shard: int, gram: bool = False, symmetric: bool = False
+) -> list[int]:
     """Newton–Schulz FLOPs per rank for stacked expert parameters (shape [E, out, in], matrices per
     expert k): each rank orthogonalises the matrices [out / k, in] of the experts it holds
     (torch.chunk over dp_shard ranks: ceil(E / dp_shard) each, the last ranks fewer)."""
@@ -80,7 +82,7 @@ def expert_ns_flops(stacked: list, steps: int, dp_shard: int, gram: bool = False
 
     per_rank = [0] * dp_shard
     for shape, k in stacked:
-        cost = newton_schulz_flops((shape[1] // k, shape[2]), steps, gram)
+        cost = newton_schulz_flops((shape[1] // k, shape[2]), steps, gram, symmetric)
         for r in range(dp_shard):
             per_rank[r] += local_rows(shape[0], dp_shard, r) * k * cost
     return per_rank
@@ -116,21 +118,38 @@ def memory_warning(s: dict, c) -> str | None:
     )
 
 
-def ns_flops_per_rank(shapes: list, steps: int, dp_shard: int, gram: bool = False) -> dict[str, list[int]]:
+def ns_flops_per_rank(
+    shapes: list, steps: int, dp_shard: int, gram: bool = False, symmetric: bool = False
+) -> dict[str, list[int]]:
     """Muon's Newton–Schulz FLOPs of each of the dp_shard ranks per optimizer step: every matrix is
     orthogonalized once in each shard group, by one owner rank. `"balanced"`: the owners Muon picks
     (balanced by cost); `"round_robin"`: each shape's matrices dealt to the ranks in turn."""
     from muonrun.optim.sharding import owner_flops
 
-    return owner_flops(shapes, dp_shard, steps, gram)
+    return owner_flops(shapes, dp_shard, steps, gram, symmetric=symmetric)
 
 
-def ns_settings(m) -> str:
+def ns_settings(m, symmetric: bool) -> str:
     """The Newton–Schulz settings the FLOPs are counted for, in words."""
     parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
     if m.gram_ns:
         parts.append("Gram form where wide")
+    parts.append(
+        "quack's symmetric products (one triangle of each symmetric result)"
+        if symmetric
+        else "torch's products"
+    )
     return ", ".join(parts)
+
+
+def ns_symmetric(cfg: Config) -> bool:
+    """Whether Muon's products run on quack's symmetric GEMM as this machine resolves
+    `optimizer.muon.ns_products` (`auto` depends on the GPU and on quack being installed)."""
+    from muonrun.distributed import pick_device_type
+    from muonrun.optim.ns_products import quack_pays
+
+    choice = cfg.optimizer.muon.ns_products
+    return choice == "quack" or (choice == "auto" and quack_pays(pick_device_type(cfg)))
 
 
 def tokenizer_vocab(c) -> tuple[int | None, str]:
@@ -173,6 +192,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     )
     muon_params = sum(p.numel() for _, p in split.muon + split.experts)
     tokens_per_step = cfg.tokens_per_step(world)
+    symmetric = cfg.optimizer.name == "muon" and ns_symmetric(cfg)
     fpt = flops_per_token(features, model_flops_per_token(hf, cfg.data.seq_len), model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
     param_bytes = 4 if cfg.parallel.param_dtype == "float32" or cfg.train.device == "cpu" else 2
@@ -194,16 +214,19 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
                 cfg.optimizer.muon.ns_steps,
                 shard,
                 cfg.optimizer.muon.gram_ns,
+                symmetric,
             )
             if cfg.optimizer.name == "muon"
             else 0
         ),
+        "ns_symmetric": symmetric,
         "expert_ns_flops_per_rank_step": (
             expert_ns_flops(
                 [(p.shape, matrices_per_expert(n)) for n, p in split.experts],
                 cfg.optimizer.muon.ns_steps,
                 shard,
                 cfg.optimizer.muon.gram_ns,
+                symmetric,
             )
             if cfg.optimizer.name == "muon"
             else [0] * shard
@@ -261,7 +284,7 @@ def print_plan(cfg: Config, world_size: int | None) -> None:
             -1,
             (
                 "Muon Newton–Schulz",
-                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step ({ns_settings(cfg.optimizer.muon)}) "
+                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step ({ns_settings(cfg.optimizer.muon, s['ns_symmetric'])}) "
                 f"= {ns / model:.1%} of the model's "
                 f"{model / 1e12:.1f} TFLOP per rank and step (busiest rank: {ns / 1e12:.2f} TFLOP, "
                 f"{ns / average:.1%} of the average, with owners balanced by cost; {rr / 1e12:.2f} TFLOP, "
