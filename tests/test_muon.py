@@ -381,6 +381,19 @@ class SymmetricFlops(Products):
         return self._counted(super().sym_mm, P, Q)
 
 
+def test_symmetric_products_are_counted_at_half_only_where_quack_takes_them():
+    """The dry run's count with `ns_products=quack`: matrices below SYMMETRIC_MIN_SIZE on their smaller
+    side run torch's products, so their FLOPs stay whole."""
+    from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE
+    from muonrun.optim.sharding import owner_flops
+
+    for shape in [(128, 896), (896, 4864), (SYMMETRIC_MIN_SIZE, SYMMETRIC_MIN_SIZE)]:
+        takes = min(shape) >= SYMMETRIC_MIN_SIZE
+        counted = owner_flops([shape], 1, 5, True, symmetric=True)["balanced"]
+        assert counted == [newton_schulz_flops(shape, 5, True, symmetric=takes)]
+        assert (counted[0] < newton_schulz_flops(shape, 5, True)) == takes
+
+
 def test_gram_newton_schulz_is_cheaper_only_where_it_is_used():
     mlp, square = (1536, 8960), (1536, 1536)  # Qwen2-1.5B's MLP and attention matrices
     assert newton_schulz_flops(mlp, 5, gram=True) / newton_schulz_flops(mlp, 5) == pytest.approx(
@@ -971,7 +984,7 @@ def test_on_a_gpu_quacks_symmetric_products_are_torchs_products():
             assert (ours - ref).norm() / ref.norm() < 0.02, (shape, gram)
     assert len(calls) >= 3 * (3 + 2 * 5)  # at least the checks' and the standard form's ran on quack
     before = len(calls)
-    shapes = [(640, 1536), (1536, 640), (640, 640), (640, 1536)]  # at least QUACK_MIN_SIZE on a side
+    shapes = [(640, 1536), (1536, 640), (640, 640), (640, 1536)]  # at least SYMMETRIC_MIN_SIZE on a side
     init = [p.cuda() for p in make_params(17, shapes)]
     runs = {name: [p.clone() for p in init] for name in ("quack", "torch")}
     opts = {

@@ -24,7 +24,12 @@ import importlib.util
 import torch
 from torch import Tensor
 
-__all__ = ["Products", "TORCH_PRODUCTS", "quack_installed", "quack_pays"]
+__all__ = ["SYMMETRIC_MIN_SIZE", "Products", "TORCH_PRODUCTS", "quack_installed", "quack_pays"]
+
+SYMMETRIC_MIN_SIZE = 512
+"""The smaller side of a matrix from which quack's symmetric products (``ns_quack``) run; below it
+torch's are faster: on an H200 the symmetric kernel is 0.5-0.8x cuBLAS on 128- and 256-sized Gram
+matrices (one or two tile rows), 0.9-1.3x at 896 and 1.5-1.9x at 1536 (bench_ns_products.py)."""
 
 
 class Products:

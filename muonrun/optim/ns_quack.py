@@ -24,21 +24,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from muonrun.optim.ns_products import Products
+from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE, Products
 
-__all__ = ["QUACK_MIN_SIZE", "QuackProducts"]
-
-# Below this side torch's products are faster: on an H200 the symmetric kernel is 0.5-0.8x cuBLAS
-# on the 128- and 256-sized Gram matrices (one or two tile rows; bench_ns_products.py), 0.9-1.3x
-# at 896 and 1.5-1.9x at 1536.
-QUACK_MIN_SIZE = 512
+__all__ = ["QuackProducts"]
 
 
 class QuackProducts(Products):
     """``Products`` whose symmetric results come from quack's ``gemm_symmetric`` for CUDA bf16 stacks
     of side ``m >= min_size``; everything else, and ``apply`` always, is torch's (the base class)."""
 
-    def __init__(self, min_size: int = QUACK_MIN_SIZE) -> None:
+    def __init__(self, min_size: int = SYMMETRIC_MIN_SIZE) -> None:
         from quack.gemm_interface import gemm_symmetric  # optional dependency: muonrun[quack]
 
         self._gemm_symmetric = gemm_symmetric
