@@ -15,7 +15,7 @@ out=${1:?usage: ns_quality.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")/.." && pwd)
-reference=${REFERENCE:-optimizer.muon.fused=false}
+reference=${REFERENCE:-optimizer.muon.fused=false optimizer.muon.ns_products=torch}
 candidate=${CANDIDATE:-}
 extra=${EXTRA:-}
 big=(qwen2-muon-fsdp2 data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py"}]' train.eval_interval=0
