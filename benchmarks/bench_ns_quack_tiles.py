@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_max_logit import timed  # benchmarks/: on the path when a script runs
 from bench_ns_levers import model_shapes
 
-from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE, TORCH_PRODUCTS  # noqa: E402
+from muonrun.optim.ns_products import TORCH_PRODUCTS, runs_symmetric  # noqa: E402
 
 # (tile_M, tile_N, cluster_M, pingpong): the cluster's tile stays square, as the triangular schedule needs
 CONFIGS = [(128, 256, 2, False), (128, 128, 1, False), (128, 128, 1, True), (64, 128, 2, False)]
@@ -62,7 +62,7 @@ def main() -> None:
     rows_out = []
     for model in args.models.split(","):
         for shape, count in model_shapes(model).items():
-            if min(shape) < SYMMETRIC_MIN_SIZE:
+            if not runs_symmetric(shape, True):  # torch's products below the side quack takes
                 continue
             for op, (a, b, c, alpha, beta, reference) in symmetric_ops(shape, count).items():
                 ref = reference()

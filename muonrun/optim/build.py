@@ -54,12 +54,12 @@ def products_for(name: str, device_type: str) -> Products:
         return TORCH_PRODUCTS
     from muonrun.optim.ns_quack import QuackProducts
 
-    if name == "quack":
-        return QuackProducts()
     try:
         return QuackProducts()
-    except Exception as e:  # a broken optional install must not stop a run that did not ask for it
-        warnings.warn(
+    except Exception as e:
+        if name == "quack":
+            raise
+        warnings.warn(  # a broken optional install must not stop a run that did not ask for it
             f"optimizer.muon.ns_products=auto: quack is installed but does not import ({type(e).__name__}: {e}); "
             "Newton-Schulz uses torch's products. Set optimizer.muon.ns_products=torch to silence this.",
             stacklevel=2,

@@ -24,12 +24,18 @@ import importlib.util
 import torch
 from torch import Tensor
 
-__all__ = ["SYMMETRIC_MIN_SIZE", "Products", "TORCH_PRODUCTS", "quack_installed", "quack_pays"]
+__all__ = [
+    "SYMMETRIC_MIN_SIZE",
+    "Products",
+    "TORCH_PRODUCTS",
+    "quack_installed",
+    "quack_pays",
+    "runs_symmetric",
+]
 
 SYMMETRIC_MIN_SIZE = 512
 """The smaller side of a matrix from which quack's symmetric products (``ns_quack``) run; below it
-torch's are faster: on an H200 the symmetric kernel is 0.5-0.8x cuBLAS on 128- and 256-sized Gram
-matrices (one or two tile rows), 0.9-1.3x at 896 and 1.5-1.9x at 1536 (bench_ns_products.py)."""
+(a Gram matrix of one or two tile rows) torch's are faster on an H200 (docs/performance.md, [w2])."""
 
 
 class Products:
@@ -73,3 +79,9 @@ def quack_pays(device_type: str) -> bool:
     if device_type != "cuda" or not torch.cuda.is_available() or not quack_installed():
         return False
     return torch.cuda.get_device_capability()[0] == 9
+
+
+def runs_symmetric(shape, symmetric: bool) -> bool:
+    """Whether a matrix of ``shape`` has its symmetric products run on one triangle, when the chosen
+    products are quack's (``symmetric``): the rule ``ns_quack.QuackProducts`` applies, for FLOP counts."""
+    return symmetric and min(shape[-2:]) >= SYMMETRIC_MIN_SIZE

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from muonrun.distributed import local_tensor
 from muonrun.optim.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
-from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE
+from muonrun.optim.ns_products import runs_symmetric
 
 try:  # torch built without distributed support
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -296,14 +296,12 @@ def owner_flops(
     group of ``world`` ranks: ``"balanced"``, as Muon assigns owners (``assign_owners``), and
     ``"round_robin"``, each shape's matrices dealt to the ranks in turn (the matrices grouped by
     shape in order of appearance, the next shape starting where the last one stopped). ``symmetric``:
-    the symmetric products of matrices that quack's GEMM takes (``SYMMETRIC_MIN_SIZE``) at half
+    the symmetric products of matrices that quack's GEMM takes (``runs_symmetric``) at half
     (``newton_schulz_flops``)."""
     by_shape: dict[tuple[int, int], list[Item]] = {}
     for shape in shapes:
         rows, cols = int(shape[0]), int(shape[1])
-        cost = newton_schulz_flops(
-            (rows, cols), steps, gram, symmetric and min(rows, cols) >= SYMMETRIC_MIN_SIZE
-        )
+        cost = newton_schulz_flops((rows, cols), steps, gram, runs_symmetric((rows, cols), symmetric))
         by_shape.setdefault((rows, cols), []).append(Item(None, 0, rows, cols, rows, rows, cost))
     round_robin = [0] * world
     for i, it in enumerate(it for items in by_shape.values() for it in items):

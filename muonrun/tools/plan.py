@@ -78,13 +78,13 @@ def expert_ns_flops(
     expert k): each rank orthogonalises the matrices [out / k, in] of the experts it holds
     (torch.chunk over dp_shard ranks: ceil(E / dp_shard) each, the last ranks fewer)."""
     from muonrun.optim.newton_schulz import newton_schulz_flops
-    from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE
+    from muonrun.optim.ns_products import runs_symmetric
     from muonrun.optim.sharding import local_rows
 
     per_rank = [0] * dp_shard
     for shape, k in stacked:
         matrix = (shape[1] // k, shape[2])
-        cost = newton_schulz_flops(matrix, steps, gram, symmetric and min(matrix) >= SYMMETRIC_MIN_SIZE)
+        cost = newton_schulz_flops(matrix, steps, gram, runs_symmetric(matrix, symmetric))
         for r in range(dp_shard):
             per_rank[r] += local_rows(shape[0], dp_shard, r) * k * cost
     return per_rank
