@@ -540,16 +540,15 @@ def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
             graphs.append(len(compiled))
         buckets = opts[1]._plan[0].buckets
         assert opts[1]._passes.compiled and len(buckets) > 1
-        # the owner's normalisation (and NorMuon's row scaling) compiles once per stack layout,
-        # shared by buckets: NorMuon's too, whose rows' state sits between its matrices
+        # the owner's normalisation compiles once per stack layout, shared by buckets: NorMuon's
+        # too, whose rows' state sits between its matrices (its row factors ride in the update pass)
         keys = list(opts[1]._passes._fns)
         layouts = [key for key in keys if key[0] == "normalize"]
-        rows = [key for key in keys if key[0] == "scale_rows"]
         stacks = sum(len(b.owned) for b in buckets)
         assert 0 < len(layouts) < stacks, (layouts, stacks)
-        assert len(rows) == (len(layouts) if variant == "normuon" else 0), (rows, layouts)
-        expected = 2 * len(buckets) + len(layouts) + len(rows)
-        assert graphs == [expected] * 4, (graphs, len(buckets), len(layouts), len(rows))
+        assert {key[0] for key in keys} == {"momentum", "update", "normalize"}, keys
+        expected = 2 * len(buckets) + len(layouts)
+        assert graphs == [expected] * 4, (graphs, len(buckets), len(layouts))
         for p, q, q0 in zip(traced, eager, init, strict=True):
             assert (p - q).abs().max() <= 1e-5 * (q - q0).abs().max(), (variant, tuple(p.shape))
 
@@ -946,25 +945,28 @@ def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
                 opt.step()
         keys = list(opts[True]._passes._fns)
         assert opts[True]._passes.compiled and not opts[False]._passes.compiled
-        passes = {"momentum", "update", "normalize"} | ({"scale_rows"} if variant == "normuon" else set())
-        assert {key[0] for key in keys} == passes, keys
+        assert {key[0] for key in keys} == {"momentum", "update", "normalize"}, keys
         assert_matches(runs[True], runs[False], init)
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_quacks_symmetric_products_are_torchs_products():
-    """quack's symmetric GEMM (``ns_products=quack``) against torch's bmm on a GPU: each symmetric result
-    within one bf16 rounding and exactly symmetric where both triangles are the same dot products,
-    Newton–Schulz in both forms within rounding, and Muon (Gram form) stepping as with torch's."""
+def test_on_a_gpu_quacks_products_are_torchs_products():
+    """quack's GEMMs (``ns_products=quack``) against torch's bmm on a GPU, on both tile configurations
+    Hopper uses (sides below and above 1024): each symmetric result within one bf16 rounding and
+    exactly symmetric where both triangles are the same dot products, the standard form's
+    ``a X + B X`` within one rounding (into a fresh tensor, an aligned strided one, and an unaligned
+    one that stays torch's), Newton–Schulz in both forms within rounding, and Muon and NorMuon (Gram
+    form, NorMuon's stacks strided by their rows' state) stepping as with torch's."""
     pytest.importorskip("quack", reason="needs quack-kernels (pip install 'muonrun[quack]')")
     from muonrun.optim.ns_quack import QuackProducts
 
     quack = QuackProducts()
     calls = []
-    gemm = quack._gemm_symmetric
-    quack._gemm_symmetric = lambda *a, **kw: calls.append(1) or gemm(*a, **kw)
+    for name in ("_gemm", "_gemm_symmetric", "_gemm_symmetric_tiled"):
+        fn = getattr(quack, name)
+        setattr(quack, name, lambda *a, fn=fn, name=name, **kw: calls.append(name) or fn(*a, **kw))
     g = torch.Generator(device="cuda").manual_seed(5)
-    for shape in [(3, 640, 640), (3, 640, 1536), (3, 1536, 640)]:  # square, wide, tall
+    for shape in [(3, 640, 640), (3, 640, 1536), (3, 1536, 640), (2, 1152, 1152)]:  # square, wide, tall
         X = torch.randn(shape, device="cuda", generator=g).bfloat16()
         X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
         tall = shape[1] > shape[2]
@@ -977,29 +979,49 @@ def test_on_a_gpu_quacks_symmetric_products_are_torchs_products():
         ]:
             torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=2**-8 * ref.abs().max().item())
             assert torch.equal(got, got.mT) or not exact
+        ref = TORCH_PRODUCTS.apply_add(P, X, 3.4445, tall)
+        k, r, c = shape
+        padded = torch.zeros(k, r * c + 8, dtype=X.dtype, device="cuda")  # aligned rows of a wider buffer
+        skewed = torch.zeros(k, r * c + 3, dtype=X.dtype, device="cuda")  # batch stride not 16-byte aligned
+        outs = [None, padded[:, : r * c].view(k, r, c), skewed[:, : r * c].view(k, r, c)]
+        for i, out in enumerate(outs):
+            before = calls.count("_gemm")
+            got = quack.apply_add(P, X, 3.4445, tall, out)
+            assert got is out or out is None
+            torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=2**-8 * ref.abs().max().item())
+            assert calls.count("_gemm") == before + (i < 2), shape  # unaligned (the last): torch's
         per_step = [DEFAULT_NS_COEFFICIENTS] * 5
         for gram in (False, True):
             ours = ns_iterations(X, per_step, gram=gram, products=[quack] * 5).float()
             ref = ns_iterations(X, per_step, gram=gram).float()
             assert (ours - ref).norm() / ref.norm() < 0.02, (shape, gram)
-    assert len(calls) >= 3 * (3 + 2 * 5)  # at least the checks' and the standard form's ran on quack
+    symmetric = sum(name != "_gemm" for name in calls)
+    assert symmetric >= 4 * (3 + 2 * 5)  # at least the checks' and the standard form's ran on quack
     before = len(calls)
     shapes = [(640, 1536), (1536, 640), (640, 640), (640, 1536)]  # at least SYMMETRIC_MIN_SIZE on a side
     init = [p.cuda() for p in make_params(17, shapes)]
-    runs = {name: [p.clone() for p in init] for name in ("quack", "torch")}
-    opts = {
-        name: Muon(ps, lr=LR, weight_decay=0.1, gram=True, products=quack if name == "quack" else None)
-        for name, ps in runs.items()
-    }
-    for step in range(10):
-        grads = make_params(100 + step, shapes)
-        for ps in runs.values():
-            for p, grad in zip(ps, grads, strict=True):
-                p.grad = grad.cuda()
-        for opt in opts.values():
-            opt.step()
-    assert len(calls) > before
-    assert_matches(runs["quack"], runs["torch"], init)
+    for variant in ("muon", "normuon"):
+        runs = {name: [p.clone() for p in init] for name in ("quack", "torch")}
+        opts = {
+            name: Muon(
+                ps,
+                lr=LR,
+                weight_decay=0.1,
+                gram=True,
+                variant=variant,
+                products=quack if name == "quack" else None,
+            )
+            for name, ps in runs.items()
+        }
+        for step in range(10):
+            grads = make_params(100 + step, shapes)
+            for ps in runs.values():
+                for p, grad in zip(ps, grads, strict=True):
+                    p.grad = grad.cuda()
+            for opt in opts.values():
+                opt.step()
+        assert len(calls) > before
+        assert_matches(runs["quack"], runs["torch"], init)
 
 
 def test_rejects_bad_params():

@@ -93,8 +93,8 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
        chunk's matrices (``opt._passes``: one compiled pass where fused, the dense path's).
     2. Each matrix scaled as its ``NSSettings`` say (its Frobenius norm times ``norm_scale``, at least
        ``eps``; or AOL's row scaling inside the first product) and iterated in one batch, in place;
-       NorMuon: each row scaled by ``normuon_row_scale`` and the rows' ``v`` updated.
-    3. Weight decay and the scaled update (``opt._passes`` again).
+       NorMuon: each row's factor from ``normuon_row_scale`` and the rows' ``v`` updated.
+    3. Weight decay and the scaled update, NorMuon's row factors applied in it (``opt._passes`` again).
     """
     gi = chunk[0][0]
     group = opt.param_groups[gi]
@@ -126,15 +126,22 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
     opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
     if ns.normuon:
         v = torch.cat([v.view(-1, rows) for v in vs])
-        factor, v = normuon_row_scale(X, v, *ns.normuon)
-        opt._passes.scale_rows(X.view(X.shape[0], -1), rows, cols, factor)  # in place, rounded once
+        factor, v = normuon_row_scale(X, v, *ns.normuon)  # applied with the update (step 3)
         compat.foreach_copy_([v.view(-1, rows) for v in vs], list(v.view(len(params), -1, rows).unbind(0)))
+        row_factors = list(factor.view(len(params), e, out_dim).unbind(0))
     opt.stats["orthogonalized"] += X.shape[0]
     opt.stats["gram"] += X.shape[0] * (opt.gram and uses_gram_form((rows, cols), len(ns.per_step)))
     factor, alpha = 1 - s.lr * s.weight_decay, -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
     if opt._sums is not None:  # what the step changes, before it changes it
         opt._sums.add(pg, "momentum", sum_of_squares(bufs))
         deltas = compat.foreach_mul(locals_, -s.lr * s.weight_decay)
-        compat.foreach_add_(deltas, updates, alpha=alpha)
+        scaled = (
+            updates
+            if not ns.normuon
+            else [u.float() * f.unsqueeze(-1) for u, f in zip(updates, row_factors, strict=True)]
+        )
+        compat.foreach_add_(deltas, scaled, alpha=alpha)
         opt._sums.add(pg, "update", sum_of_squares(deltas))
-    opt._passes.decay_and_update(key, [(locals_, updates, factor, alpha)])
+    opt._passes.decay_and_update(
+        key, [(locals_, updates, factor, alpha)], row_factors if ns.normuon else None
+    )

@@ -1,5 +1,5 @@
-"""Muon's elementwise passes (momentum into the exchange buffer; decay and update; the owner's Frobenius
-normalisation and NorMuon's row scaling), fused by torch.compile.
+"""Muon's elementwise passes (momentum into the exchange buffer; decay and update, with NorMuon's row
+factors; the owner's Frobenius normalisation), fused by torch.compile.
 
 Muon's step reads and writes every matrix several times outside Newton–Schulz: the momentum
 update, the Nesterov look-ahead, its cast into the bf16 exchange buffer, the weight decay and the
@@ -7,14 +7,16 @@ scaled update. As separate foreach ops that is about 30 + 18 bytes per fp32 elem
 group is one pass (read the gradient and the buffer, write the buffer and the bf16 look-ahead: 14
 bytes; read the parameter and the update, write the parameter: 10). torch.compile's inductor fuses
 the foreach ops of a list into combined kernels, so the same Python runs eagerly or compiled.
+NorMuon's per-row factors ride in the decay-and-update pass (4 bytes per row), not in a pass of
+their own over the Newton–Schulz result (4 bytes per element).
 
-The owner's passes over the stacks it orthogonalises, dividing each matrix by its norm and scaling
-each NorMuon row by its factor, broadcast one number per matrix or per row over bf16 data: eager
-PyTorch runs those on its generic strided kernel, at about a third of the memory bandwidth a
-compiled kernel reaches (the 1.5B step on one GPU: docs/performance.md). They take the stack as the
-leading ``rows * cols`` elements of each row of a contiguous ``[k, slab]`` tensor (``leading``),
-because NorMuon keeps its rows' state between the matrices: inductor writes a mutated *strided*
-input through a full-size temporary and a copy, but the slice of a contiguous one in place.
+The owner's pass over the stacks it orthogonalises, dividing each matrix by its norm, broadcasts one
+number per matrix over bf16 data: eager PyTorch runs that on its generic strided kernel, at about a
+third of the memory bandwidth a compiled kernel reaches (the 1.5B step on one GPU:
+docs/performance.md). It takes the stack as the leading ``rows * cols`` elements of each row of a
+contiguous ``[k, slab]`` tensor (``leading``), because NorMuon keeps its rows' state between the
+matrices: inductor writes a mutated *strided* input through a full-size temporary and a copy, but
+the slice of a contiguous one in place.
 
 ``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
 bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
@@ -58,16 +60,21 @@ def decay_and_update(
     updates: Sequence[Tensor],
     scalars: Tensor | Sequence[float],
     slots: Sequence[tuple[int, int]],
+    row_factors: Sequence[Tensor] | None = None,
 ) -> None:
     """``p = p * scalars[f] + scalars[a] * u`` for each parameter with its slots ``(f, a)``: the
     decoupled decay ``1 - lr * wd`` and the scaled update ``-adjust_lr(lr)``. With host numbers,
     torch's two foreach ops (a factor of 1 skipped); with a device tensor (compiled: the values change
-    every step without recompiling), the update widened to fp32 and scaled, in one pass when fused."""
+    every step without recompiling), the update widened to fp32 and scaled, in one pass when fused.
+    ``row_factors`` (NorMuon): one fp32 factor per row of each update (``u.shape[:-1]``), applied to
+    the widened update in the same pass, so the Newton–Schulz result is never rescaled in memory."""
     runs: dict[tuple[int, int], list[int]] = {}
     for i, slot in enumerate(slots):
         runs.setdefault(slot, []).append(i)
     for (f, a), idx in runs.items():
         ps, us = [params[i] for i in idx], [updates[i] for i in idx]
+        if row_factors is not None:
+            us = [u.float() * row_factors[i].unsqueeze(-1) for u, i in zip(us, idx, strict=True)]
         if isinstance(scalars, Tensor):
             compat.foreach_mul_(ps, scalars[f])
             compat.foreach_add_(ps, compat.foreach_mul([u.float() for u in us], scalars[a]))
@@ -100,12 +107,6 @@ def leading(base: Tensor, rows: int, cols: int) -> Tensor:
 def normalize_leading_(base: Tensor, rows: int, cols: int, norm_scale: float, eps: float) -> None:
     """``frobenius_normalize_`` on ``leading(base, rows, cols)``."""
     frobenius_normalize_(leading(base, rows, cols), norm_scale, eps)
-
-
-def scale_leading_rows_(base: Tensor, rows: int, cols: int, factor: Tensor) -> None:
-    """Row ``i`` of matrix ``j`` of ``leading(base, rows, cols)`` times ``factor[j, i]`` (fp32), in
-    place, rounded once."""
-    leading(base, rows, cols).mul_(factor.unsqueeze(-1))
 
 
 def _fresh(fn: Callable) -> Callable:
@@ -155,14 +156,12 @@ class Passes:
         key = (*_layout("normalize", base), rows, cols)
         self._call(key, normalize_leading_, base, rows, cols, norm_scale, eps)
 
-    def scale_rows(self, base: Tensor, rows: int, cols: int, factor: Tensor) -> None:
-        """``scale_leading_rows_``: NorMuon's factors applied to an owned stack (as ``normalize``)."""
-        key = (*_layout("scale_rows", base, factor), rows, cols)
-        self._call(key, scale_leading_rows_, base, rows, cols, factor)
-
-    def decay_and_update(self, key: tuple, runs: Sequence[tuple[list, list, float, float]]) -> None:
-        """``runs``: (params, updates, decay factor, update scale) per group and shape. The host
-        scalars become one device tensor when compiled (without a host-to-device copy)."""
+    def decay_and_update(
+        self, key: tuple, runs: Sequence[tuple[list, list, float, float]], row_factors: list | None = None
+    ) -> None:
+        """``runs``: (params, updates, decay factor, update scale) per group and shape;
+        ``row_factors``: NorMuon's, one tensor per update in the runs' order. The host scalars become
+        one device tensor when compiled (without a host-to-device copy)."""
         params, updates, values, slots, factors = [], [], [], [], {}
         for ps, us, factor, alpha in runs:
             if factor not in factors:
@@ -173,7 +172,7 @@ class Passes:
             updates += us
             slots += [(factors[factor], len(values) - 1)] * len(ps)
         scalars = to_device(values, params[0].device) if self.compiled else values
-        self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots))
+        self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots), row_factors)
 
     @classmethod
     def choose(cls, fused: bool, device: torch.device | None, backend: str | Callable | None) -> Passes:

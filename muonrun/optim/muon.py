@@ -36,7 +36,9 @@ With the same arguments and gradients, :class:`Muon` gives the parameters that
 each row divided by the root of an EMA ``v`` of its mean square, then the matrix rescaled to the
 Frobenius norm ``sqrt(min(A, B))`` of an orthogonal one; with ``adjust_lr_fn="match_rms_adamw"`` the
 step is the paper's ``0.2 * lr * sqrt(A B) / ||Ô||_F * Ô``. The owner computes one fp32 factor per
-row from the rows' sums of squares (``normuon_row_scale``) and scales ``O`` in place, in ``ns_dtype``.
+row from the rows' sums of squares (``normuon_row_scale``) and sends it back with the rows' ``v``; each
+rank applies it to its rows of ``O`` in fp32 inside the decay-and-update pass (``O`` itself is never
+rescaled in memory).
 
 Distributed algorithm (FSDP2 / HSDP)
 ------------------------------------
@@ -134,8 +136,8 @@ class Muon(torch.optim.Optimizer):
       scaling taken from the first Gram product (``newton_schulz.Scaling``), meant for the shorter
       ``ns_coefficients="turbo"`` table;
     - ``fused`` (default False): the momentum, Nesterov look-ahead and cast into the exchange
-      buffer as one compiled pass, the decay and update as another, the owner's division by the
-      norm and NorMuon's row scaling as two more (``muonrun.optim.fused``; compiled on GPUs, the
+      buffer as one compiled pass, the decay and update (with NorMuon's row factors) as another,
+      the owner's division by the norm as a third (``muonrun.optim.fused``; compiled on GPUs, the
       same ops run eagerly elsewhere): fewer passes over memory, the same arithmetic up to rounding;
     - ``products``: how Newton–Schulz's matrix products are evaluated (an ``ns_products.Products``;
       None: torch's ``bmm``), e.g. ``ns_quack.QuackProducts``, whose symmetric products compute
@@ -277,7 +279,8 @@ class Muon(torch.optim.Optimizer):
         ]
         key = (tuple((gi, id(p)) for gi, _, p in active), ns, self.ns_dtype, self.gram)
         if self._plan is None or key != self._plan_key:
-            row_state = 4 // self.ns_dtype.itemsize  # one fp32 per row, in exchange elements
+            # NorMuon: two fp32 per row (v, and the row factor coming back), in exchange elements
+            row_state = 2 * (4 // self.ns_dtype.itemsize)
             entries = [
                 Entry(
                     gi,
@@ -408,12 +411,11 @@ class Muon(torch.optim.Optimizer):
                 self._sums.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
             if ns.normuon:
                 states = run[..., own.state_at : own.state_at + c * own.first.row_state]
-                states = states.view(torch.float32)  # [W, k, c]: v of every row, fp32 bit for bit
-                v = states.transpose(0, 1).reshape(k, W * c)[:, :R]
+                states = states.view(torch.float32).view(W, k, 2, c)  # v, then the factor, of every row
+                v = states[:, :, 0].transpose(0, 1).reshape(k, W * c)[:, :R]
                 factor, v = normuon_row_scale(out, v, *ns.normuon)
-                # each row scaled in place, rounded once (one rank: in the buffer, c == R)
-                self._passes.scale_rows(run[0] if W == 1 else out.view(k, -1), R, C, factor)
-                scatter_rows(states, v, c)
+                scatter_rows(states[:, :, 0], v, c)
+                scatter_rows(states[:, :, 1], factor, c)  # applied with the update (``_apply``)
             if W > 1:
                 scatter_rows(slabs, out, c)
             self.stats["orthogonalized"] += k
@@ -427,13 +429,18 @@ class Muon(torch.optim.Optimizer):
             id(it): result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
             for it in bucket.items
         }
+        normuon = part.ns.normuon  # type: ignore[attr-defined]
+        factors = {id(it): it.state_view(result, 1) for it in bucket.items} if normuon else {}
         if self._sums is not None:  # what the step changes, before it changes it
             deltas = []
             for gi, rows, cols, items in bucket.by_update:
                 s = settings[gi]
                 d = compat.foreach_mul([local_tensor(it.param) for it in items], -s.lr * s.weight_decay)
                 alpha = -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
-                compat.foreach_add_(d, [views[id(it)] for it in items], alpha=alpha)
+                us = [views[id(it)] for it in items]
+                if normuon:
+                    us = [u.float() * factors[id(it)].unsqueeze(-1) for u, it in zip(us, items, strict=True)]
+                compat.foreach_add_(d, us, alpha=alpha)
                 deltas += d
             self._sums.add(part.shard.group, "update", sum_of_squares(deltas))
         runs = []  # per (group, shape): params, updates, decay factor, update scale
@@ -441,8 +448,9 @@ class Muon(torch.optim.Optimizer):
             s = settings[gi]
             ps, us = [local_tensor(it.param) for it in items], [views[id(it)] for it in items]
             runs.append((ps, us, 1 - s.lr * s.weight_decay, -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))))
-        self._passes.decay_and_update((id(bucket),), runs)
-        if part.ns.normuon:  # type: ignore[attr-defined]
+        row_factors = [factors[id(it)] for *_, items in bucket.by_update for it in items] if normuon else None
+        self._passes.decay_and_update((id(bucket),), runs, row_factors)
+        if normuon:
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
             compat.foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
 

@@ -8,7 +8,14 @@ quack-kernels, CuTe DSL; the kernel of the Gram Newton–Schulz blog post) compu
 above the diagonal are computed, and each one's epilogue also writes its transpose. Each entry is
 the same bf16-input, fp32-accumulated dot product as cuBLAS's, rounded once to bf16
 (bench_ns_products.py finds the Gram and polynomial results equal to cuBLAS's bit for bit at the
-presets' shapes). ``apply`` (``B X``, not symmetric) stays torch's.
+presets' shapes). Of the other products, ``apply_add`` (the standard form's ``a X + B X``) runs on
+quack's plain GEMM with ``a X`` added in its epilogue, where cuBLAS's ``baddbmm`` first copies ``X``
+into its output; ``apply`` (``B X``) stays cuBLAS's, which quack's GEMM does not beat at these shapes.
+
+On Hopper each product runs on the tile configuration measured fastest for it at the presets'
+shapes (``hopper_tiles``; benchmarks/bench_ns_quack_tiles.py, docs/performance.md [w3]) through
+quack's lower-level calls, which take the tiles; elsewhere through quack's interface, whose tiles
+are fixed per GPU family.
 
 Why a library kernel: torch has no symmetric (``syrk``-like) product, and neither hand-written
 Triton upper-triangle kernels nor cuBLAS on upper blocks beat
@@ -26,34 +33,107 @@ from torch import Tensor
 
 from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE, Products
 
-__all__ = ["QuackProducts"]
+__all__ = ["QuackProducts", "hopper_tiles"]
+
+# (tile_M, tile_N, cluster_M, pingpong) on Hopper. The symmetric products' clusters stay square, as
+# the triangular schedule needs: 128 x 128 pingpong tiles for the polynomials and below side 1024,
+# quack's interface's 128 x 256 tiles in clusters of two for the larger Gram matrices and products
+# of polynomials; the plain GEMM of ``apply_add`` on quack's default Hopper tiles.
+_SMALL, _LARGE, _PLAIN = (128, 128, 1, True), (128, 256, 2, False), (128, 192, 2, True)
+
+
+def hopper_tiles(product: str, m: int) -> tuple[int, int, int, bool]:
+    """The tile configuration of one product (``gram``, ``poly``, ``sym_mm``, ``apply_add``) whose
+    result has ``m`` rows on the wide orientation, on Hopper (docs/performance.md, [w3])."""
+    if product == "apply_add":
+        return _PLAIN
+    return _SMALL if product == "poly" or m < 1024 else _LARGE
+
+
+def _tma_ready(*tensors: Tensor | None) -> bool:
+    """Whether quack's kernels can read or write these tensors: each row contiguous, the other strides
+    and the start 16-byte aligned (what Hopper's tensor memory accelerator needs). A NorMuon stack in
+    its exchange buffer is strided by its rows' state: aligned at the presets' shapes, not always."""
+    for t in tensors:
+        if t is None:
+            continue
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+            return False
+    return True
 
 
 class QuackProducts(Products):
-    """``Products`` whose symmetric results come from quack's ``gemm_symmetric`` for CUDA bf16 stacks
-    of side ``m >= min_size``; everything else, and ``apply`` always, is torch's (the base class)."""
+    """``Products`` whose symmetric results, and the standard form's ``a X + B X``, come from quack's
+    GEMMs for CUDA bf16 stacks of side ``m >= min_size``; everything else, and ``apply`` always, is
+    torch's (the base class)."""
 
     def __init__(self, min_size: int = SYMMETRIC_MIN_SIZE) -> None:
-        from quack.gemm_interface import gemm_symmetric  # optional dependency: muonrun[quack]
+        # optional dependency: muonrun[quack]
+        from quack.gemm import gemm
+        from quack.gemm_interface import gemm_symmetric
+        from quack.gemm_symmetric import gemm_symmetric as gemm_symmetric_tiled
 
-        self._gemm_symmetric = gemm_symmetric
+        self._gemm, self._gemm_symmetric, self._gemm_symmetric_tiled = (
+            gemm,
+            gemm_symmetric,
+            gemm_symmetric_tiled,
+        )
         self.min_size = min_size
+        self._hopper: dict[int, bool] = {}
 
-    def _takes(self, T: Tensor, m: int) -> bool:
-        return T.is_cuda and T.dtype == torch.bfloat16 and T.ndim == 3 and m >= self.min_size
+    def _takes(self, T: Tensor, m: int, *others: Tensor | None) -> bool:
+        return (
+            T.is_cuda
+            and T.dtype == torch.bfloat16
+            and T.ndim == 3
+            and m >= self.min_size
+            and _tma_ready(T, *others)
+        )
+
+    def _on_hopper(self, T: Tensor) -> bool:
+        index = T.device.index if T.device.index is not None else torch.cuda.current_device()
+        if index not in self._hopper:
+            self._hopper[index] = torch.cuda.get_device_capability(index)[0] == 9
+        return self._hopper[index]
+
+    def _symmetric(self, product: str, A: Tensor, B: Tensor, C: Tensor | None = None, alpha=1.0, beta=1.0):
+        """``alpha A B + beta C`` for a symmetric result: ``A`` ``[k, m, n]``, ``B`` ``[k, n, m]``."""
+        if not self._on_hopper(A):
+            return self._gemm_symmetric(A, B, C=C, alpha=alpha, beta=beta)
+        m = A.shape[-2]
+        out = torch.empty(A.shape[0], m, m, dtype=A.dtype, device=A.device)
+        tile_m, tile_n, cluster_m, pingpong = hopper_tiles(product, m)
+        self._gemm_symmetric_tiled(
+            A, B.mT, out, C, None, tile_M=tile_m, tile_N=tile_n, cluster_M=cluster_m, cluster_N=1,
+            pingpong=pingpong, persistent=True, is_dynamic_persistent=False, alpha=alpha, beta=beta,
+        )  # fmt: skip
+        return out
 
     def gram(self, Y: Tensor, tall: bool) -> Tensor:
         Z = Y.mT if tall else Y  # the wide orientation, as a view: Z Z^T
         if not self._takes(Y, Z.shape[-2]):
             return super().gram(Y, tall)
-        return self._gemm_symmetric(Z, Z.mT)
+        return self._symmetric("gram", Z, Z.mT)
 
     def poly(self, A: Tensor, b: float, c: float) -> Tensor:
         if not self._takes(A, A.shape[-1]):
             return super().poly(A, b, c)
-        return self._gemm_symmetric(A, A, C=A, alpha=c, beta=b)
+        return self._symmetric("poly", A, A, C=A, alpha=c, beta=b)
 
     def sym_mm(self, P: Tensor, Q: Tensor) -> Tensor:
         if not self._takes(P, P.shape[-1]):
             return super().sym_mm(P, Q)
-        return self._gemm_symmetric(P, Q)
+        return self._symmetric("sym_mm", P, Q)
+
+    def apply_add(self, B: Tensor, Y: Tensor, a: float, tall: bool, out: Tensor | None = None) -> Tensor:
+        if not (self._takes(Y, B.shape[-1], out) and self._on_hopper(Y)):
+            return super().apply_add(B, Y, a, tall, out)
+        left, right = (Y, B.mT) if tall else (B, Y)  # a Y + left @ right
+        out = torch.empty_like(Y) if out is None else out
+        tile_m, tile_n, cluster_m, pingpong = hopper_tiles("apply_add", B.shape[-1])
+        self._gemm(
+            left, right.mT, out, Y, None, tile_M=tile_m, tile_N=tile_n, cluster_M=cluster_m, cluster_N=1,
+            pingpong=pingpong, persistent=True, is_dynamic_persistent=False, alpha=1.0, beta=a,
+        )  # fmt: skip
+        return out

@@ -141,10 +141,13 @@ class Item:
         x = max(self.row_state, 1)
         return -(-self.chunk * self.cols // x) * x
 
-    def state_view(self, buf: Tensor) -> Tensor:
-        """This rank's rows' fp32 per-row state inside an exchange buffer laid out by the plan."""
-        start = self.offset + self.state_at
-        return buf[start : start + self.local_rows * self.row_state].view(torch.float32)
+    def state_view(self, buf: Tensor, index: int = 0) -> Tensor:
+        """This rank's rows' ``index``-th fp32 per-row value inside an exchange buffer laid out by the
+        plan: the state region holds each value of all ``chunk`` rows in turn (NorMuon: its ``v``,
+        then the row factor the owner sends back)."""
+        per_row = 4 // buf.element_size()  # buffer elements per fp32 value
+        start = self.offset + self.state_at + index * self.chunk * per_row
+        return buf[start : start + self.local_rows * per_row].view(torch.float32)
 
     @property
     def slab(self) -> int:
