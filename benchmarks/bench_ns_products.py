@@ -12,7 +12,8 @@ The evaluations (``ns_products.Products`` subclasses beside this script, studies
 batched as Muon's owner batches them):
 
 1. each symmetric product of ``ns_products.Products`` (``gram`` on the shape's own orientation,
-   ``poly``, ``sym_mm``), torch's against each evaluation (the Triton kernel on every shape, below
+   ``poly``, ``sym_mm``) and, for shapes that take the standard form, its ``apply_add`` (``a X + B
+   X``), torch's against each evaluation (the Triton kernel on every shape, below
    ``TRITON_MIN_SIZE`` too, to check that threshold): median milliseconds and the largest difference
    to torch's result relative to its largest entry (bf16 rounds to 2^-8 ~ 0.004);
 2. the whole ``ns_iterations`` (5 default quintic iterations, Frobenius-normalised input) in the
@@ -99,6 +100,8 @@ def op_rows(model: str, shape: tuple[int, int], count: int, iters: int, evals: d
         "poly": lambda ops: ops.poly(A, -4.775, 2.0315),
         "sym_mm": lambda ops: ops.sym_mm(P, Q),
     }
+    if not uses_gram_form(shape, STEPS):  # the standard form's a X + B X (quack: the addend in its epilogue)
+        cases["apply_add"] = lambda ops: ops.apply_add(P, X, 3.4445, tall)
     out = []
     for op, fn in cases.items():
         ref = fn(TORCH_PRODUCTS)
@@ -118,7 +121,7 @@ def op_rows(model: str, shape: tuple[int, int], count: int, iters: int, evals: d
                     "ms": ms,
                     "speedup": torch_ms / ms,
                     "max_rel_err": rel_err(got, ref),
-                    "symmetric": bool(torch.equal(got, got.mT)),
+                    "symmetric": op != "apply_add" and bool(torch.equal(got, got.mT)),
                 }
             )
     return out

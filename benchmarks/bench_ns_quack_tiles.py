@@ -3,10 +3,10 @@
 usage (one CUDA GPU, quack-kernels installed), from the repository root:
     python benchmarks/bench_ns_quack_tiles.py [--models 0.5b,1.5b] [--out results.json]
 
-``quack.gemm_interface.gemm_symmetric`` (what ``muonrun.optim.ns_quack`` calls) uses one tile
-configuration per GPU family: on Hopper 128 x 256 tiles in clusters of 2 along M, so 256 x 256 per
-cluster, which leaves 896 (the 0.5B preset's side) at 3.5 clusters. ``quack.gemm_symmetric.gemm_symmetric``
-takes the tile and cluster shape; this times each symmetric product of an iteration (the Gram matrix
+``quack.gemm_interface.gemm_symmetric`` uses one tile configuration per GPU family: on Hopper 128 x
+256 tiles in clusters of 2 along M, so 256 x 256 per cluster, which leaves 896 (the 0.5B preset's
+side) at 3.5 clusters. ``quack.gemm_symmetric.gemm_symmetric`` takes the tile and cluster shape
+(``muonrun.optim.ns_quack.hopper_tiles`` picks one per product from this table); this times each symmetric product of an iteration (the Gram matrix
 on the shape's own orientation, the polynomial ``b A + c A A``, the product ``P A`` of two commuting
 polynomials) per configuration, against cuBLAS (torch's ``bmm``) on the same operands, and checks each
 result against torch's (largest difference relative to the largest entry; bf16 rounds to 2^-8).

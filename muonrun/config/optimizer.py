@@ -59,8 +59,8 @@ class MuonConfig:
     fused: bool | None = None
     """Fewer passes over memory in Muon's step, the same arithmetic up to rounding: momentum,
     Nesterov look-ahead and the cast into the bf16 exchange buffer as one compiled kernel, weight
-    decay and the update as another, the division of each owned matrix by its norm and NorMuon's
-    row scaling as two more (torch.compile). Pays most on one GPU, where Muon's own elementwise
+    decay and the update (with NorMuon's row factors) as another, the division of each owned matrix
+    by its norm as a third (torch.compile). Pays most on one GPU, where Muon's own elementwise
     work is not shared across ranks; the first step compiles a few small kernels. None: on for
     GPUs, off on CPU (`true` there runs the same ops eagerly, and says so once)."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -73,7 +73,9 @@ class MuonConfig:
     the polynomial in it and, in the Gram form, the products of polynomials): it computes the tiles on
     and above the diagonal and mirrors them, half those products' FLOPs, each entry the same
     bf16-input, fp32-accumulated dot product (`pip install 'muonrun[quack]'`, an NVIDIA GPU; matrices
-    of side 512 and up, torch's below). It pays most where large matrices dominate: Newton–Schulz's
+    of side 512 and up, torch's below); the standard form's `a X + B X` also runs on quack, its
+    `a X` added in the GEMM's epilogue instead of copied first, and on Hopper each product uses the
+    tile shape measured fastest for it. It pays most where large matrices dominate: Newton–Schulz's
     time per model on one H200 is in docs/performance.md. `auto`: quack on Hopper GPUs where it is
     installed, torch's elsewhere. The first step compiles its kernels."""
     muon_patterns: list[str] = field(default_factory=list)
