@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -303,3 +304,40 @@ def test_a_rendezvous_endpoint_that_cannot_work_exits_2_before_anything_is_writt
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and says in text and "Traceback" not in result.output, result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_reaped_before_its_waiter_runs_is_still_named_in_the_restart_message(
+    tmp_path, monkeypatch, capsys
+):
+    """The restart message names the failed worker and how it died even when the agent reaps it before
+    the worker's waiter thread reads its status (a loaded machine). Forced here: the waiter's waitid is
+    held until the main thread, standing in for the agent, has reaped the worker; the SIGCHLD handler,
+    which runs in the main thread before it reaps, kept the status."""
+    from muonrun.launch import supervise
+
+    control = tmp_path / "control"
+    (control / "workers").mkdir(parents=True)
+    real_waitid = os.waitid
+    reaped = threading.Event()
+
+    def held_waitid(idtype, pid, options):
+        if not options & os.WNOHANG:  # the waiter's blocking call: only once the worker is reaped
+            reaped.wait(30)
+        return real_waitid(idtype, pid, options)
+
+    monkeypatch.setattr(supervise.os, "waitid", held_waitid)
+    with supervise.Supervisor(control, tmp_path / "run", max_restarts=2):
+        worker = subprocess.Popen(
+            [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+        )
+        (control / "workers" / str(worker.pid)).write_text(json.dumps({"rank": 3, "attempt": 0}))
+        real_waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: SIGCHLD is pending
+        assert worker.wait() == -signal.SIGKILL  # the agent's reap (the handler ran on the way here)
+        reaped.set()
+        said = ""
+        for _ in range(100):  # the waiter finds its worker gone and reads the handler's record
+            said += "".join(capsys.readouterr())
+            if "restarting" in said:
+                break
+            time.sleep(0.1)
+    assert "worker rank 3 failed (killed by SIGKILL); restarting the workers (restart 1 of 2)" in said, said

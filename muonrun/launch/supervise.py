@@ -14,6 +14,11 @@ signals, reports, and the restart message. Public API only: torch's agent is sta
   (`os.waitid(..., WNOWAIT)`; the agent reaps its own children); one that exits with an error is
   announced: which rank failed, how, and which checkpoint the restart resumes from. The agent's own log says it at INFO level only,
   without the reason, and muonrun silences the agent's logging.
+- A woken waiter can still lose its worker's status: the kernel wakes it when the worker exits, but if
+  the agent reaps the worker before the waiter thread runs (a loaded machine), its `waitid` finds no
+  child. So a SIGCHLD handler also peeks at every registered worker (`WNOHANG | WNOWAIT`) and keeps
+  the statuses: it runs in the main thread, where the agent reaps, before the agent's next step, and a
+  waiter that finds its worker gone reads the status from there.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class Supervisor:
         self._watch = threading.Thread(target=self._watch_exits, daemon=True, name="muonrun-watch")
         self._announced: set[int] = set()  # attempts whose failure was announced
         self._lock = threading.Lock()  # the waiters of one attempt's workers may fire together
+        self._exits: dict[int, tuple[int, int]] = {}  # pid: (si_code, si_status), kept by _child_exited
 
     def __enter__(self) -> Supervisor:
         handlers = {
@@ -102,6 +108,7 @@ class Supervisor:
                 continue  # ignored by whoever started muonrun (nohup, a script's `&`): the workers inherit it
             self._previous[sig] = signal.signal(sig, handler)
         if hasattr(os, "waitid"):
+            self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._child_exited)
             self._watch.start()
         return self
 
@@ -166,6 +173,19 @@ class Supervisor:
 
     # -- restarts
 
+    def _child_exited(self, signum, frame) -> None:
+        """SIGCHLD: keep how each registered worker that has exited ended, before the agent reaps it."""
+        with contextlib.suppress(OSError):
+            for path in (self.control / "workers").iterdir():
+                if not path.name.isdigit() or int(path.name) in self._exits:
+                    continue
+                try:
+                    info = os.waitid(os.P_PID, int(path.name), os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:  # reaped already, or not this process's child
+                    continue
+                if info is not None:
+                    self._exits[int(path.name)] = (info.si_code, info.si_status)
+
     def _watch_exits(self) -> None:
         """Start a waiter for each worker as it registers."""
         watched: set[int] = set()
@@ -184,11 +204,14 @@ class Supervisor:
         kernel wakes this waiter the moment the worker exits; the agent looks every monitor interval."""
         try:
             info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:  # reaped already, or not this process's child
-            return
-        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-        if killed or info.si_status:
-            self._failed(self._entry(pid), info.si_status, killed)
+            code, status = info.si_code, info.si_status
+        except ChildProcessError:  # reaped already (the SIGCHLD handler saw how), or not this process's child
+            if pid not in self._exits:
+                return
+            code, status = self._exits[pid]
+        killed = code in (os.CLD_KILLED, os.CLD_DUMPED)
+        if killed or status:
+            self._failed(self._entry(pid), status, killed)
 
     def _entry(self, pid: int) -> dict:
         with contextlib.suppress(OSError, ValueError):
