@@ -66,6 +66,7 @@ def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architectur
         ("tiny", "adamw", []),
         ("tiny", "muon", []),
         ("tiny", "muon", ["optimizer.muon.gram_ns=true"]),
+        ("tiny", "muon", ["optimizer.muon.variant=normuon"]),  # its row factors ride in the update pass
         # the MoE presets' path: grouped-GEMM experts in compiled layers, balance loss, z-loss, router
         # bias; Muon's compiled passes on the experts
         (
