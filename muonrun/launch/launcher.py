@@ -225,9 +225,9 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
         max_restarts=plan.max_restarts,
         local_addr=plan.local_addr,
         start_method="spawn",
-        # The agent stops a failed worker's peers at its next look, racing the supervisor's waiter that
-        # names the worker that failed (launch/supervise.py): with torch's 0.1 s the restart message
-        # missed the failed worker once on a loaded machine (tests/test_checkpoint.py's crash restart).
+        # The agent stops a failed worker's peers at its next look; the supervisor names the worker
+        # whose waiter speaks first (launch/supervise.py), so a peer stopped sooner than torch's 0.1 s
+        # allows could be named instead on a loaded machine.
         monitor_interval=0.5,
         logs_specs=DefaultLogsSpecs(log_dir=str(control / "torchelastic")),
         signals_to_handle=TORCH_HANDLES,

@@ -20,7 +20,7 @@ from muonrun.optim.experts import matrices_per_expert
 from muonrun.optim.groups import split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
-from muonrun.optim.ns_products import TORCH_PRODUCTS, Products, quack_installed, quack_pays
+from muonrun.optim.ns_products import TORCH_PRODUCTS, Products, quack_chosen, quack_installed
 
 
 def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> AdamW:
@@ -47,10 +47,11 @@ def build_adamw(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[
 def products_for(name: str, device_type: str) -> Products:
     """The evaluation named by ``optimizer.muon.ns_products``: ``"torch"``; ``"quack"``
     (``ns_quack.QuackProducts``; raises ImportError without quack-kernels); ``"auto"``: quack where
-    ``quack_pays``, else torch's (an installed quack that fails to import is warned about, not fatal)."""
+    ``quack_pays``, else torch's (``quack_chosen``; an installed quack that fails to import is warned
+    about, not fatal)."""
     if name not in ("auto", "torch", "quack"):
         raise ValueError(f"unknown ns_products {name!r}; expected auto, torch or quack")
-    if name == "torch" or (name == "auto" and not quack_pays(device_type)):
+    if not quack_chosen(name, device_type):
         return TORCH_PRODUCTS
     from muonrun.optim.ns_quack import QuackProducts
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
+from muonrun.optim.fused import with_row_factors
 from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale, uses_gram_form
 from muonrun.optim.settings import NSSettings
 from muonrun.optim.telemetry import reduce_group, sum_of_squares
@@ -135,11 +136,7 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
     if opt._sums is not None:  # what the step changes, before it changes it
         opt._sums.add(pg, "momentum", sum_of_squares(bufs))
         deltas = compat.foreach_mul(locals_, -s.lr * s.weight_decay)
-        scaled = (
-            updates
-            if not ns.normuon
-            else [u.float() * f.unsqueeze(-1) for u, f in zip(updates, row_factors, strict=True)]
-        )
+        scaled = with_row_factors(updates, row_factors) if ns.normuon else updates
         compat.foreach_add_(deltas, scaled, alpha=alpha)
         opt._sums.add(pg, "update", sum_of_squares(deltas))
     opt._passes.decay_and_update(

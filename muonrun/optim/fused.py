@@ -74,7 +74,7 @@ def decay_and_update(
     for (f, a), idx in runs.items():
         ps, us = [params[i] for i in idx], [updates[i] for i in idx]
         if row_factors is not None:
-            us = [u.float() * row_factors[i].unsqueeze(-1) for u, i in zip(us, idx, strict=True)]
+            us = with_row_factors(us, [row_factors[i] for i in idx])
         if isinstance(scalars, Tensor):
             compat.foreach_mul_(ps, scalars[f])
             compat.foreach_add_(ps, compat.foreach_mul([u.float() for u in us], scalars[a]))
@@ -82,6 +82,11 @@ def decay_and_update(
         if scalars[f] != 1.0:
             compat.foreach_mul_(ps, scalars[f])
         compat.foreach_add_(ps, us, alpha=scalars[a])
+
+
+def with_row_factors(updates: Sequence[Tensor], row_factors: Sequence[Tensor]) -> list[Tensor]:
+    """Each update widened to fp32 with row ``i`` times its factor ``i`` (NorMuon's, ``u.shape[:-1]``)."""
+    return [u.float() * f.unsqueeze(-1) for u, f in zip(updates, row_factors, strict=True)]
 
 
 def frobenius_divisors(X: Tensor, dim: tuple[int, ...], norm_scale: float, eps: float) -> Tensor:

@@ -74,7 +74,7 @@ from torch import Tensor
 from muonrun import compat
 from muonrun.distributed import local_tensor
 from muonrun.optim.experts import check_stacked, expert_chunks, expert_rows_like, step_stacked
-from muonrun.optim.fused import Passes, frobenius_divisors
+from muonrun.optim.fused import Passes, frobenius_divisors, with_row_factors
 from muonrun.optim.newton_schulz import (
     ADJUST_LR_FNS,
     DEFAULT_EPS,
@@ -439,7 +439,7 @@ class Muon(torch.optim.Optimizer):
                 alpha = -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
                 us = [views[id(it)] for it in items]
                 if normuon:
-                    us = [u.float() * factors[id(it)].unsqueeze(-1) for u, it in zip(us, items, strict=True)]
+                    us = with_row_factors(us, [factors[id(it)] for it in items])
                 compat.foreach_add_(d, us, alpha=alpha)
                 deltas += d
             self._sums.add(part.shard.group, "update", sum_of_squares(deltas))

@@ -28,6 +28,7 @@ __all__ = [
     "SYMMETRIC_MIN_SIZE",
     "Products",
     "TORCH_PRODUCTS",
+    "quack_chosen",
     "quack_installed",
     "quack_pays",
     "runs_symmetric",
@@ -79,6 +80,13 @@ def quack_pays(device_type: str) -> bool:
     if device_type != "cuda" or not torch.cuda.is_available() or not quack_installed():
         return False
     return torch.cuda.get_device_capability()[0] == 9
+
+
+def quack_chosen(name: str, device_type: str) -> bool:
+    """Whether ``optimizer.muon.ns_products=name`` (``auto``, ``torch`` or ``quack``) takes quack's
+    products on this machine: Muon's products (``optim.build.products_for``) and the dry-run's FLOP
+    count (``tools.plan``) both resolve it here."""
+    return name == "quack" or (name == "auto" and quack_pays(device_type))
 
 
 def runs_symmetric(shape, symmetric: bool) -> bool:

@@ -148,10 +148,9 @@ def ns_symmetric(cfg: Config) -> bool:
     """Whether Muon's products run on quack's symmetric GEMM as this machine resolves
     `optimizer.muon.ns_products` (`auto` depends on the GPU and on quack being installed)."""
     from muonrun.distributed import pick_device_type
-    from muonrun.optim.ns_products import quack_pays
+    from muonrun.optim.ns_products import quack_chosen
 
-    choice = cfg.optimizer.muon.ns_products
-    return choice == "quack" or (choice == "auto" and quack_pays(pick_device_type(cfg)))
+    return quack_chosen(cfg.optimizer.muon.ns_products, pick_device_type(cfg))
 
 
 def tokenizer_vocab(c) -> tuple[int | None, str]:
