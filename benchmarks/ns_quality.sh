@@ -3,7 +3,8 @@
 #   bash benchmarks/ns_quality.sh OUT_DIR
 # 1. A 1.5B Qwen2 (the presets' recipe: qwen2-muon-fsdp2 with the 1.5B shape of scripts/gpu_bench.sh,
 #    byte data on the Python standard library, seq 2048, micro-batch 8), 300 steps twice: the reference
-#    evaluation (REFERENCE: unfused step, torch's products, no float8) and the defaults. Passes when
+#    evaluation (REFERENCE: unfused step, torch's products, the norm divided by its own pass, no
+#    float8) and the defaults. Passes when
 #    the loss at every 10th step is within 1%.
 # 2. The optimizer study's Muon and NorMuon (101M, lr 0.01, seed 42, 1,000 steps) with the defaults,
 #    run beside the 1.5B runs: passes when each final eval loss is within 0.5% of docs/data/study's.
@@ -15,7 +16,7 @@ out=${1:?usage: ns_quality.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")/.." && pwd)
-reference=${REFERENCE:-optimizer.muon.fused=false optimizer.muon.ns_products=torch}
+reference=${REFERENCE:-optimizer.muon.fused=false optimizer.muon.ns_products=torch optimizer.muon.ns_fold_norm=false}
 candidate=${CANDIDATE:-}
 extra=${EXTRA:-}
 big=(qwen2-muon-fsdp2 data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py"}]' train.eval_interval=0

@@ -553,6 +553,58 @@ def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
             assert (p - q).abs().max() <= 1e-5 * (q - q0).abs().max(), (variant, tuple(p.shape))
 
 
+@pytest.mark.parametrize("variant", ["muon", "normuon"])
+def test_a_norm_folded_into_the_gram_form_steps_as_the_pass_that_divides_by_it(variant):
+    """``fold_norm``: a Gram-form stack held in place (one rank; stacked experts) takes its Frobenius
+    norm from the trace of its first Gram product and never goes through the dividing pass; the
+    standard form's stacks still do. Dense matrices (wide, tall, square) and a stack of experts step
+    within bf16 rounding of the pass, eager and traced (the scale is one compiled pass per layout)."""
+    shapes = [(16, 48), (40, 8), (24, 24), (16, 48)]
+    init = make_params(21, shapes) + [torch.randn(3, 32, 48, generator=torch.Generator().manual_seed(22))]
+    runs, calls = {}, {}
+    for name in ("pass", "folded", "traced"):
+        ps = [p.clone() for p in init]
+        opt = Muon(
+            [{"params": ps[:-1]}, {"params": ps[-1:], "matrices_per_expert": 2}],
+            lr=LR,
+            weight_decay=0.1,
+            gram=True,
+            variant=variant,
+            fold_norm=name != "pass",
+            fused=name == "traced",
+        )
+        if name == "traced":
+            opt.compile_backend = lambda gm, example_inputs: gm.forward
+        seen = calls[name] = []
+        for step in range(5):
+            g = torch.Generator().manual_seed(300 + step)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+            if step == 0:  # the first step chose the passes: count what the others call
+                for pass_name in ("normalize", "scale"):
+                    original = getattr(opt._passes, pass_name)
+
+                    def counted(*args, pass_name=pass_name, original=original, seen=seen):
+                        seen.append((pass_name, tuple(args[0].shape)))
+                        return original(*args)
+
+                    setattr(opt._passes, pass_name, counted)
+        runs[name] = ps
+    # per step: the dividing pass over each stack (two wide matrices, tall, square, six expert matrices)
+    assert [(name, shape[0]) for name, shape in calls["pass"]] == 4 * [("normalize", k) for k in (2, 1, 1, 6)]
+    # folded: each Gram-form stack's R and Q scaled, m x m (the tall one on its wide orientation);
+    # the square stack (standard form) still divided, its slab holding NorMuon's rows' state
+    square = ("normalize", (1, 24 * 24 + 24 * 4 * (variant == "normuon")))
+    one_step = (
+        [("scale", (2, 16, 16))] * 2 + [("scale", (1, 8, 8))] * 2 + [square] + [("scale", (6, 16, 16))] * 2
+    )
+    assert calls["folded"] == calls["traced"] == 4 * one_step
+    assert_matches(runs["folded"], runs["pass"], init)
+    assert not all(torch.equal(p, q) for p, q in zip(runs["folded"], runs["pass"], strict=True))
+    assert_matches(runs["traced"], runs["folded"], init, rtol=1e-5)
+
+
 @pytest.mark.parametrize("precondition", ["frobenius", "aol"])
 def test_scaling_folded_into_the_first_product_is_the_scaled_iteration(precondition):
     """In float64, Newton–Schulz with the input's scale read off its first Gram product (Frobenius:
@@ -931,11 +983,12 @@ def test_on_a_gpu_muon_keeps_torchs_bf16_newton_schulz():
 def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
     """On a GPU ``fused`` compiles the elementwise passes, the owner's normalisation and NorMuon's row
     scaling among them (inductor kernels, not the eager ones): 10 steps stay within rounding of the
-    eager passes, for Muon and NorMuon."""
+    eager passes, for Muon and NorMuon, and with the Gram form's folded norm (its scale compiled)."""
     init = [p.cuda() for p in make_params(16)]
-    for variant in ("muon", "normuon"):
+    for variant, fold in itertools.product(("muon", "normuon"), (False, True)):
         runs = {fused: [p.clone() for p in init] for fused in (True, False)}
-        opts = {f: Muon(ps, lr=LR, weight_decay=0.1, variant=variant, fused=f) for f, ps in runs.items()}
+        kw = dict(lr=LR, weight_decay=0.1, variant=variant, gram=fold, fold_norm=fold)
+        opts = {f: Muon(ps, **kw, fused=f) for f, ps in runs.items()}
         for step in range(10):
             grads = make_params(100 + step)
             for ps in runs.values():
@@ -945,7 +998,9 @@ def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
                 opt.step()
         keys = list(opts[True]._passes._fns)
         assert opts[True]._passes.compiled and not opts[False]._passes.compiled
-        assert {key[0] for key in keys} == {"momentum", "update", "normalize"}, keys
+        assert {key[0] for key in keys} == {"momentum", "update", "normalize"} | (
+            {"scale"} if fold else set()
+        ), keys
         assert_matches(runs[True], runs[False], init)
 
 

@@ -63,6 +63,13 @@ class MuonConfig:
     by its norm as a third (torch.compile). Pays most on one GPU, where Muon's own elementwise
     work is not shared across ranks; the first step compiles a few small kernels. None: on for
     GPUs, off on CPU (`true` there runs the same ops eagerly, and says so once)."""
+    ns_fold_norm: bool = True
+    """With `gram_ns`: read each wide matrix's Frobenius norm from the trace of its first Gram product
+    (X X^T) and apply it to the small m x m products Newton–Schulz forms anyway (in fp32 math,
+    rounded once), instead of dividing the whole matrix by it in a pass of its own. The same
+    arithmetic up to where bf16 rounds; one pass fewer over Muon's largest matrices, where a rank
+    holds them whole: one GPU, and stacked experts (docs/performance.md). Across several ranks the
+    division already rides in the copy that reassembles each matrix."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are

@@ -93,7 +93,8 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
     1. Momentum and the Nesterov look-ahead, written in ``opt.ns_dtype`` into one buffer of all the
        chunk's matrices (``opt._passes``: one compiled pass where fused, the dense path's).
     2. Each matrix scaled as its ``NSSettings`` say (its Frobenius norm times ``norm_scale``, at least
-       ``eps``; or AOL's row scaling inside the first product) and iterated in one batch, in place;
+       ``eps``, by a pass or folded into the first product with ``opt.fold_norm``; or AOL's row scaling
+       inside the first product) and iterated in one batch, in place;
        NorMuon: each row's factor from ``normuon_row_scale`` and the rows' ``v`` updated.
     3. Weight decay and the scaled update, NorMuon's row factors applied in it (``opt._passes`` again).
     """
@@ -121,8 +122,8 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
     updates = list(X.view(len(params), e, out_dim, cols).unbind(0))
     key = ("experts", gi, e, out_dim, cols, len(params))
     opt._passes.momentum(key, bufs, grads, updates, s.momentum, s.nesterov)
-    scaling = ns.scaling()
-    if scaling is None:  # Frobenius: a pass of its own; AOL is folded into the first product
+    scaling = ns.scaling(opt._folds_norm(ns, (rows, cols)), opt._passes.scale)
+    if scaling is None:  # Frobenius: a pass of its own; AOL (or fold_norm) folds it into the first product
         opt._passes.normalize(X.view(X.shape[0], -1), rows, cols, ns.norm_scale, ns.eps)
     opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
     if ns.normuon:

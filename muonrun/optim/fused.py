@@ -8,7 +8,9 @@ group is one pass (read the gradient and the buffer, write the buffer and the bf
 bytes; read the parameter and the update, write the parameter: 10). torch.compile's inductor fuses
 the foreach ops of a list into combined kernels, so the same Python runs eagerly or compiled.
 NorMuon's per-row factors ride in the decay-and-update pass (4 bytes per row), not in a pass of
-their own over the Newton–Schulz result (4 bytes per element).
+their own over the Newton–Schulz result (4 bytes per element). Where Muon folds the Frobenius norm
+into the Gram form (``fold_norm``), the scale goes onto two ``m x m`` products (``Passes.scale``)
+instead of the ``m x n`` matrix.
 
 The owner's pass over the stacks it orthogonalises, dividing each matrix by its norm, broadcasts one
 number per matrix over bf16 data: eager PyTorch runs that on its generic strided kernel, at about a
@@ -103,6 +105,12 @@ def frobenius_normalize_(X: Tensor, norm_scale: float, eps: float) -> None:
     X.div_(frobenius_divisors(X, (-2, -1), norm_scale, eps).view(-1, 1, 1))
 
 
+def scale_(T: Tensor, f: Tensor) -> None:
+    """``T *= f`` in place (``f`` broadcast over ``T``), computed in fp32 and rounded once into
+    ``T``'s dtype: a folded Newton–Schulz scale (``newton_schulz.Scaling.multiply``)."""
+    T.mul_(f)
+
+
 def leading(base: Tensor, rows: int, cols: int) -> Tensor:
     """The stack ``[k, rows, cols]`` held in the first ``rows * cols`` elements of each row of
     ``base`` ``[k, slab]`` (a view)."""
@@ -160,6 +168,11 @@ class Passes:
         per layout, shared across buckets)."""
         key = (*_layout("normalize", base), rows, cols)
         self._call(key, normalize_leading_, base, rows, cols, norm_scale, eps)
+
+    def scale(self, T: Tensor, f: Tensor) -> None:
+        """``scale_``: a folded Newton–Schulz scale applied to one of its small products (compiled
+        once per layout, shared across buckets)."""
+        self._call(_layout("scale", T, f), scale_, T, f)
 
     def decay_and_update(
         self, key: tuple, runs: Sequence[tuple[list, list, float, float]], row_factors: list | None = None

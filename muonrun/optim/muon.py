@@ -142,6 +142,11 @@ class Muon(torch.optim.Optimizer):
     - ``products``: how Newton–Schulz's matrix products are evaluated (an ``ns_products.Products``;
       None: torch's ``bmm``), e.g. ``ns_quack.QuackProducts``, whose symmetric products compute
       one triangle (``optim.build.products_for`` picks one by name);
+    - ``fold_norm`` (default False): where the Gram form takes a stack its owner holds in place
+      (one rank in the shard group, or stacked experts), its Frobenius norm is read from the trace
+      of the first Gram product and applied to the ``m x m`` products (``newton_schulz.Scaling``),
+      not by a pass over the ``m x n`` matrices: the same arithmetic up to where bf16 rounds.
+      Across ranks the division rides in the copy that reassembles each matrix, at no extra pass;
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -189,6 +194,7 @@ class Muon(torch.optim.Optimizer):
         precondition: str = "frobenius",
         fused: bool = False,
         products: Products | None = None,
+        fold_norm: bool = False,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -223,6 +229,7 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         self.fused = bool(fused)
         self.products = products
+        self.fold_norm = bool(fold_norm)
         self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
@@ -378,6 +385,10 @@ class Muon(torch.optim.Optimizer):
         products = None if self.products is None else [self.products] * len(per_step)
         return ns_iterations(X, per_step, gram=self.gram, products=products, **kw)
 
+    def _folds_norm(self, ns: NSSettings, shape: Sequence[int]) -> bool:
+        """Whether a stack of ``shape`` held in place has its Frobenius norm folded (``fold_norm``)."""
+        return self.fold_norm and self.gram and uses_gram_form(shape, len(ns.per_step))
+
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz
         (NorMuon: and its normalisation), write the results back into ``recv`` in the same (padded,
@@ -386,20 +397,22 @@ class Muon(torch.optim.Optimizer):
         ns: NSSettings = part.ns  # type: ignore[assignment]
         grid = recv.view(W, bucket.per_source)
         sample = part.buckets[0].items[0] if self._sums is not None and part is self._plan[0] else None
-        scaling = ns.scaling()
         for own in bucket.owned:
             k, R, C, c = own.count, own.rows, own.cols, own.chunk
             run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
             slabs = run[..., : c * C].view(W, k, c, C)
             # Frobenius: a pass of its own (padding rows are zero, so the norm over whole slabs is the
-            # matrix's; compiled where fused); AOL (``scaling``) is folded into the first Gram product
+            # matrix's; compiled where fused), or folded (``fold_norm``); AOL is folded into the
+            # first Gram product
             if W == 1:  # the buffer is ours: normalised in place, the result written back into it
                 X = slabs[0]
+                scaling = ns.scaling(self._folds_norm(ns, X.shape), self._passes.scale)
                 if scaling is None:
                     self._passes.normalize(run[0], c, C, ns.norm_scale, ns.eps)
                 out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
             else:
                 full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
+                scaling = ns.scaling(False, self._passes.scale)
                 if scaling is None:  # reassembled and normalised in one pass
                     norm = frobenius_divisors(slabs, (0, 2, 3), ns.norm_scale, ns.eps).view(k, 1, 1, 1)
                     torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))

@@ -4,6 +4,7 @@ Only ``muonrun.optim.muon`` uses this module."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -30,12 +31,13 @@ class NSSettings:
         )
         return cls(per_step, norm_scale, float(group["eps"]), normuon, group["precondition"])
 
-    def scaling(self) -> Scaling | None:
-        """How the owner scales its matrices: None, a pass dividing by the Frobenius norm
-        (torch's); or AOL's ``Scaling``, folded into the first Gram product."""
-        if self.precondition == "frobenius":
+    def scaling(self, fold_norm: bool, multiply: Callable[[Tensor, Tensor], None]) -> Scaling | None:
+        """How the owner scales its matrices: AOL's ``Scaling``, folded into the first Gram product;
+        the Frobenius norm folded the same way where ``fold_norm``; else None, a pass dividing by
+        the Frobenius norm (torch's). ``multiply``: the pass that applies a folded scale."""
+        if self.precondition == "frobenius" and not fold_norm:
             return None
-        return Scaling(self.precondition, self.norm_scale, self.eps)
+        return Scaling(self.precondition, self.norm_scale, self.eps, multiply)
 
 
 @dataclass(frozen=True)
