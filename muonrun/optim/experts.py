@@ -122,7 +122,7 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
     updates = list(X.view(len(params), e, out_dim, cols).unbind(0))
     key = ("experts", gi, e, out_dim, cols, len(params))
     opt._passes.momentum(key, bufs, grads, updates, s.momentum, s.nesterov)
-    scaling = ns.scaling(opt._folds_norm(ns, (rows, cols)), opt._passes.scale)
+    scaling = ns.scaling(opt._passes.scale, (rows, cols) if opt.fold_norm else None)
     if scaling is None:  # Frobenius: a pass of its own; AOL (or fold_norm) folds it into the first product
         opt._passes.normalize(X.view(X.shape[0], -1), rows, cols, ns.norm_scale, ns.eps)
     opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)

@@ -76,11 +76,9 @@ from muonrun.distributed import local_tensor
 from muonrun.optim.experts import check_stacked, expert_chunks, expert_rows_like, step_stacked
 from muonrun.optim.fused import Passes, frobenius_divisors, with_row_factors
 from muonrun.optim.newton_schulz import (
-    ADJUST_LR_FNS,
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
-    PRECONDITIONS,
     Coefficients,
     NSCoefficients,
     adjust_lr,
@@ -88,11 +86,10 @@ from muonrun.optim.newton_schulz import (
     normuon_row_scale,
     ns_iterations,
     orthogonality_residual,
-    resolve_ns_coefficients,
     uses_gram_form,
 )
 from muonrun.optim.ns_products import Products
-from muonrun.optim.settings import NSSettings, StepSettings, to_float
+from muonrun.optim.settings import NSSettings, StepSettings, check_settings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
@@ -108,7 +105,6 @@ from muonrun.optim.telemetry import Sums, sum_of_squares
 __all__ = ["Muon"]
 
 
-VARIANTS = ("muon", "normuon")
 NS_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -142,11 +138,9 @@ class Muon(torch.optim.Optimizer):
     - ``products``: how Newton–Schulz's matrix products are evaluated (an ``ns_products.Products``;
       None: torch's ``bmm``), e.g. ``ns_quack.QuackProducts``, whose symmetric products compute
       one triangle (``optim.build.products_for`` picks one by name);
-    - ``fold_norm`` (default False): where the Gram form takes a stack its owner holds in place
-      (one rank in the shard group, or stacked experts), its Frobenius norm is read from the trace
-      of the first Gram product and applied to the ``m x m`` products (``newton_schulz.Scaling``),
-      not by a pass over the ``m x n`` matrices: the same arithmetic up to where bf16 rounds.
-      Across ranks the division rides in the copy that reassembles each matrix, at no extra pass;
+    - ``fold_norm`` (default False): a Gram-form stack held whole (one rank in the shard group;
+      stacked experts) takes its Frobenius norm from the trace of its first Gram product, applied to
+      the ``m x m`` products (``newton_schulz.Scaling``), not in a pass over the ``m x n`` matrices;
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -229,7 +223,7 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         self.fused = bool(fused)
         self.products = products
-        self.fold_norm = bool(fold_norm)
+        self.fold_norm = bool(fold_norm and gram)  # only the Gram form reads the norm off its products
         self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
@@ -245,15 +239,7 @@ class Muon(torch.optim.Optimizer):
         return f"{base} (shape {tuple(p.shape)})"
 
     def _check_group(self, gi: int, group: dict) -> None:
-        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-            raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
-        if group["variant"] not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
-        if not 0.0 <= group["beta2"] < 1.0:
-            raise ValueError(f"beta2 should be in [0, 1) but is: {group['beta2']}")
-        if group["precondition"] not in PRECONDITIONS:
-            raise ValueError(f"precondition must be one of {PRECONDITIONS}, got {group['precondition']!r}")
-        resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+        check_settings(group)
         for i, p in enumerate(group["params"]):
             name = self._param_name(gi, i, p)
             if p.ndim == 3 and group["matrices_per_expert"]:  # stacked experts [E, out, in]
@@ -385,10 +371,6 @@ class Muon(torch.optim.Optimizer):
         products = None if self.products is None else [self.products] * len(per_step)
         return ns_iterations(X, per_step, gram=self.gram, products=products, **kw)
 
-    def _folds_norm(self, ns: NSSettings, shape: Sequence[int]) -> bool:
-        """Whether a stack of ``shape`` held in place has its Frobenius norm folded (``fold_norm``)."""
-        return self.fold_norm and self.gram and uses_gram_form(shape, len(ns.per_step))
-
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz
         (NorMuon: and its normalisation), write the results back into ``recv`` in the same (padded,
@@ -402,17 +384,16 @@ class Muon(torch.optim.Optimizer):
             run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
             slabs = run[..., : c * C].view(W, k, c, C)
             # Frobenius: a pass of its own (padding rows are zero, so the norm over whole slabs is the
-            # matrix's; compiled where fused), or folded (``fold_norm``); AOL is folded into the
-            # first Gram product
+            # matrix's; compiled where fused) or, held whole, folded (``fold_norm``); AOL: folded
             if W == 1:  # the buffer is ours: normalised in place, the result written back into it
                 X = slabs[0]
-                scaling = ns.scaling(self._folds_norm(ns, X.shape), self._passes.scale)
+                scaling = ns.scaling(self._passes.scale, X.shape if self.fold_norm else None)
                 if scaling is None:
                     self._passes.normalize(run[0], c, C, ns.norm_scale, ns.eps)
                 out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
             else:
                 full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
-                scaling = ns.scaling(False, self._passes.scale)
+                scaling = ns.scaling(self._passes.scale)
                 if scaling is None:  # reassembled and normalised in one pass
                     norm = frobenius_divisors(slabs, (0, 2, 3), ns.norm_scale, ns.eps).view(k, 1, 1, 1)
                     torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))

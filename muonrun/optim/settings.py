@@ -1,15 +1,24 @@
 """Muon's per-param-group settings, read from the groups: what batches together on an owner
-(``NSSettings``, part of the exchange plan's key) and what one step applies (``StepSettings``).
-Only ``muonrun.optim.muon`` uses this module."""
+(``NSSettings``, part of the exchange plan's key), what one step applies (``StepSettings``) and the
+check of the values (``check_settings``). Only ``muonrun.optim.muon`` and ``experts`` use this module."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
-from muonrun.optim.newton_schulz import Coefficients, Scaling, resolve_ns_coefficients
+from muonrun.optim.newton_schulz import (
+    ADJUST_LR_FNS,
+    PRECONDITIONS,
+    Coefficients,
+    Scaling,
+    resolve_ns_coefficients,
+    uses_gram_form,
+)
+
+VARIANTS = ("muon", "normuon")
 
 
 @dataclass(frozen=True)
@@ -31,13 +40,30 @@ class NSSettings:
         )
         return cls(per_step, norm_scale, float(group["eps"]), normuon, group["precondition"])
 
-    def scaling(self, fold_norm: bool, multiply: Callable[[Tensor, Tensor], None]) -> Scaling | None:
-        """How the owner scales its matrices: AOL's ``Scaling``, folded into the first Gram product;
-        the Frobenius norm folded the same way where ``fold_norm``; else None, a pass dividing by
-        the Frobenius norm (torch's). ``multiply``: the pass that applies a folded scale."""
-        if self.precondition == "frobenius" and not fold_norm:
+    def scaling(
+        self, multiply: Callable[[Tensor, Tensor], None], fold_for: Sequence[int] | None = None
+    ) -> Scaling | None:
+        """How the owner scales a stack: AOL's ``Scaling``, folded into the first Gram product; the
+        Frobenius norm folded the same way for a stack of shape ``fold_for`` that the Gram form takes
+        (None: never); else None, a pass dividing by the Frobenius norm (torch's). ``multiply``: the
+        pass that applies a folded scale."""
+        folds = fold_for is not None and uses_gram_form(fold_for, len(self.per_step))
+        if self.precondition == "frobenius" and not folds:
             return None
         return Scaling(self.precondition, self.norm_scale, self.eps, multiply)
+
+
+def check_settings(group: dict) -> None:
+    """Raises ValueError for a param group's setting Muon does not know."""
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    if group["variant"] not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
+    if not 0.0 <= group["beta2"] < 1.0:
+        raise ValueError(f"beta2 should be in [0, 1) but is: {group['beta2']}")
+    if group["precondition"] not in PRECONDITIONS:
+        raise ValueError(f"precondition must be one of {PRECONDITIONS}, got {group['precondition']!r}")
+    resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
 
 
 @dataclass(frozen=True)
