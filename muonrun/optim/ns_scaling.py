@@ -28,7 +28,7 @@ class Scaling:
     - ``"frobenius"``: ``X / max(norm_scale * ||X||_F, eps)``, with ``||X||_F^2 = trace(A)``: torch's
       normalisation, folded (it differs from dividing first by where the bf16 roundings fall). The
       scale stays fp32 and every product it scales is computed in fp32 and rounded once: a scale
-      rounded to bf16 would move every singular value by the same factor, up to 0.4%. ``A``'s
+      rounded to bf16 would move every singular value by the same factor, up to 0.2%. ``A``'s
       entries are the input's squares: inputs whose entries pass about 1e17 overflow bf16's range
       (the result is then not finite, as a NaN step is);
     - ``"aol"`` (Turbo-Muon's AOL preconditioning, arXiv:2512.04632): ``D X`` with
