@@ -38,6 +38,7 @@ from torch import Tensor
 from muonrun import compat, log
 from muonrun.compat import compile_error
 from muonrun.distributed import to_device
+from muonrun.optim.ns_scaling import multiply_
 
 _said: set[str] = set()
 
@@ -105,12 +106,6 @@ def frobenius_normalize_(X: Tensor, norm_scale: float, eps: float) -> None:
     X.div_(frobenius_divisors(X, (-2, -1), norm_scale, eps).view(-1, 1, 1))
 
 
-def scale_(T: Tensor, f: Tensor) -> None:
-    """``T *= f`` in place (``f`` broadcast over ``T``), computed in fp32 and rounded once into
-    ``T``'s dtype: a folded Newton–Schulz scale (``newton_schulz.Scaling.multiply``)."""
-    T.mul_(f)
-
-
 def leading(base: Tensor, rows: int, cols: int) -> Tensor:
     """The stack ``[k, rows, cols]`` held in the first ``rows * cols`` elements of each row of
     ``base`` ``[k, slab]`` (a view)."""
@@ -170,9 +165,9 @@ class Passes:
         self._call(key, normalize_leading_, base, rows, cols, norm_scale, eps)
 
     def scale(self, T: Tensor, f: Tensor) -> None:
-        """``scale_``: a folded Newton–Schulz scale applied to one of its small products (compiled
-        once per layout, shared across buckets)."""
-        self._call(_layout("scale", T, f), scale_, T, f)
+        """``ns_scaling.multiply_``: a folded Newton–Schulz scale applied to one of its small products
+        (compiled once per layout, shared across buckets)."""
+        self._call(_layout("scale", T, f), multiply_, T, f)
 
     def decay_and_update(
         self, key: tuple, runs: Sequence[tuple[list, list, float, float]], row_factors: list | None = None

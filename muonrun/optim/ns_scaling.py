@@ -10,13 +10,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_EPS", "PRECONDITIONS", "Scaling", "gram_scale", "scale_gram_", "scale_input"]
+__all__ = ["DEFAULT_EPS", "PRECONDITIONS", "Scaling", "gram_scale", "multiply_", "scale_gram_", "scale_input"]
 
 DEFAULT_EPS = 1e-7
 PRECONDITIONS = ("frobenius", "aol")
 
 
-def _multiply_(T: Tensor, f: Tensor) -> None:
+def multiply_(T: Tensor, f: Tensor) -> None:
+    """``T *= f`` in place (``f`` broadcast over ``T``), computed in fp32 and rounded once into ``T``'s
+    dtype: how a folded scale is applied (``Scaling.multiply``; Muon compiles it, ``fused.Passes.scale``)."""
     T.mul_(f)
 
 
@@ -39,15 +41,14 @@ class Scaling:
       row scaling changes the polar factor itself a little (it is not a scalar): the distance to
       the polar factor of the input is what benchmarks/ns_levers_numerics.py measures.
 
-    ``multiply(T, f)``: ``T *= f`` in place (``f`` broadcast over ``T``, computed in fp32 and
-    rounded once into ``T``'s dtype); torch's ``mul_`` unless the caller has a faster pass (Muon's
+    ``multiply(T, f)``: ``multiply_``, eager, unless the caller has a faster pass of it (Muon's
     compiled one, ``fused.Passes.scale``).
     """
 
     kind: str = "frobenius"
     norm_scale: float = 1.0
     eps: float = DEFAULT_EPS
-    multiply: Callable[[Tensor, Tensor], None] = _multiply_
+    multiply: Callable[[Tensor, Tensor], None] = multiply_
 
 
 def gram_scale(A: Tensor, scaling: Scaling) -> Tensor:
