@@ -394,6 +394,33 @@ def test_symmetric_products_are_counted_at_half_only_where_quack_takes_them():
         assert (counted[0] < newton_schulz_flops(shape, 5, True)) == takes
 
 
+def test_muon_balances_owners_on_the_flops_its_products_run():
+    """Muon's owner costs are the dry-run's: halved symmetric products where its products halve them
+    (quack's, here torch's products claiming to) for the matrices quack takes, whole otherwise."""
+    from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE
+    from muonrun.optim.sharding import owner_flops
+
+    class Halving(Products):
+        halves_symmetric = True
+
+    shapes = [
+        (128, 896),
+        (SYMMETRIC_MIN_SIZE, 2 * SYMMETRIC_MIN_SIZE),
+        (SYMMETRIC_MIN_SIZE, SYMMETRIC_MIN_SIZE),
+    ]
+    for products, symmetric in [(None, False), (Products(), False), (Halving(), True)]:
+        params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = Muon(params, lr=LR, gram=True, products=products)
+        costs = {
+            (it.rows, it.cols): it.cost for part in opt._get_plan() for b in part.buckets for it in b.items
+        }
+        assert costs == {s: owner_flops([s], 1, 5, True, symmetric=symmetric)["balanced"][0] for s in shapes}
+        whole = {s: newton_schulz_flops(s, 5, True) for s in shapes}
+        assert [costs[s] < whole[s] for s in shapes] == [False, symmetric, symmetric]
+
+
 def test_gram_newton_schulz_is_cheaper_only_where_it_is_used():
     mlp, square = (1536, 8960), (1536, 1536)  # Qwen2-1.5B's MLP and attention matrices
     assert newton_schulz_flops(mlp, 5, gram=True) / newton_schulz_flops(mlp, 5) == pytest.approx(

@@ -82,7 +82,6 @@ from muonrun.optim.newton_schulz import (
     Coefficients,
     NSCoefficients,
     adjust_lr,
-    newton_schulz_flops,
     normuon_row_scale,
     ns_iterations,
     orthogonality_residual,
@@ -96,6 +95,7 @@ from muonrun.optim.sharding import (
     Entry,
     Partition,
     build_plan,
+    owner_cost,
     rows_like,
     scatter_rows,
     shard_info,
@@ -274,13 +274,14 @@ class Muon(torch.optim.Optimizer):
         if self._plan is None or key != self._plan_key:
             # NorMuon: two fp32 per row (v, and the row factor coming back), in exchange elements
             row_state = 2 * (4 // self.ns_dtype.itemsize)
+            halves = self.products is not None and self.products.halves_symmetric  # as the dry-run counts
             entries = [
                 Entry(
                     gi,
                     self._param_name(gi, i, p),
                     p,
                     ns[gi],
-                    cost=newton_schulz_flops(p.shape, len(ns[gi].per_step), self.gram),
+                    cost=owner_cost(p.shape, len(ns[gi].per_step), self.gram, halves),
                     row_state=row_state if ns[gi].normuon else 0,
                 )
                 for gi, i, p in active

@@ -5,7 +5,7 @@ unless asked otherwise), its input divided by its Frobenius norm or scaled by AO
 ``normuon_normalize`` is NorMuon's per-row normalisation of that result (``normuon_row_scale``: the
 same as one factor per row);
 ``adjust_lr`` scales the learning rate by the matrix shape; ``newton_schulz_flops`` counts the
-matmul FLOPs of one call (the dry-run plan and Muon's owner balancing use it);
+matmul FLOPs of one call (the dry-run plan and Muon's owner balancing use it, through ``sharding.owner_cost``);
 ``orthogonality_residual`` measures how orthogonal a result is. Imports only torch.
 
 References

@@ -42,6 +42,10 @@ SYMMETRIC_MIN_SIZE = 512
 class Products:
     """torch's evaluation of Newton–Schulz's products (the reference every other one is held to)."""
 
+    halves_symmetric: bool = False
+    """Whether the symmetric results of matrices ``runs_symmetric`` names cost half their FLOPs here
+    (one triangle computed): what Muon balances its owners on and the dry-run counts."""
+
     def gram(self, Y: Tensor, tall: bool) -> Tensor:
         """``Y Y^T`` on the wide orientation, ``Y^T Y`` for a tall ``Y``: a new symmetric ``[k, m, m]``."""
         return torch.bmm(Y.mT, Y) if tall else torch.bmm(Y, Y.mT)

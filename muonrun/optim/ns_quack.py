@@ -68,6 +68,8 @@ class QuackProducts(Products):
     GEMMs for CUDA bf16 stacks of side ``m >= min_size``; everything else, and ``apply`` always, is
     torch's (the base class)."""
 
+    halves_symmetric = True
+
     def __init__(self, min_size: int = SYMMETRIC_MIN_SIZE) -> None:
         # optional dependency: muonrun[quack]
         from quack.gemm import gemm

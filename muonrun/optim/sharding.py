@@ -129,7 +129,7 @@ class Item:
     cols: int
     chunk: int  # rows per rank slab (ceil(rows / world)); == rows when local
     local_rows: int
-    cost: int = 0  # Newton–Schulz FLOPs, for owner balancing
+    cost: int = 0  # Newton–Schulz FLOPs (owner_cost), for owner balancing
     row_state: int = 0  # buffer elements per row carrying fp32 per-row state (NorMuon's v), 0: none
     owner: int = 0
     offset: int = 0  # element offset of this rank's slab in the bucket's send/receive buffer
@@ -203,7 +203,7 @@ class Entry:
     name: str  # for error messages
     param: Tensor
     ns: Hashable
-    cost: int = 0  # Newton–Schulz FLOPs (newton_schulz_flops)
+    cost: int = 0  # Newton–Schulz FLOPs the owner runs (owner_cost)
     row_state: int = 0  # Item.row_state
 
 
@@ -287,6 +287,13 @@ def assign_owners(buckets: Sequence[Sequence[Item]], world: int) -> None:
         load[r] += it.cost
 
 
+def owner_cost(shape: Sequence[int], steps: int, gram: bool, symmetric: bool) -> int:
+    """Newton–Schulz FLOPs the owner of one ``rows x cols`` matrix runs, what owners are balanced on:
+    with products that halve the symmetric results (``symmetric``, quack's), those of the matrices
+    they take (``runs_symmetric``) at half."""
+    return newton_schulz_flops(shape, steps, gram, runs_symmetric(shape, symmetric))
+
+
 def owner_flops(
     shapes: Iterable[Sequence[int]],
     world: int,
@@ -304,7 +311,7 @@ def owner_flops(
     by_shape: dict[tuple[int, int], list[Item]] = {}
     for shape in shapes:
         rows, cols = int(shape[0]), int(shape[1])
-        cost = newton_schulz_flops((rows, cols), steps, gram, runs_symmetric((rows, cols), symmetric))
+        cost = owner_cost((rows, cols), steps, gram, symmetric)
         by_shape.setdefault((rows, cols), []).append(Item(None, 0, rows, cols, rows, rows, cost))
     round_robin = [0] * world
     for i, it in enumerate(it for items in by_shape.values() for it in items):

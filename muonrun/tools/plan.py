@@ -77,14 +77,12 @@ def expert_ns_flops(
     """Newton–Schulz FLOPs per rank for stacked expert parameters (shape [E, out, in], matrices per
     expert k): each rank orthogonalises the matrices [out / k, in] of the experts it holds
     (torch.chunk over dp_shard ranks: ceil(E / dp_shard) each, the last ranks fewer)."""
-    from muonrun.optim.newton_schulz import newton_schulz_flops
-    from muonrun.optim.ns_products import runs_symmetric
-    from muonrun.optim.sharding import local_rows
+    from muonrun.optim.sharding import local_rows, owner_cost
 
     per_rank = [0] * dp_shard
     for shape, k in stacked:
         matrix = (shape[1] // k, shape[2])
-        cost = newton_schulz_flops(matrix, steps, gram, runs_symmetric(matrix, symmetric))
+        cost = owner_cost(matrix, steps, gram, symmetric)
         for r in range(dp_shard):
             per_rank[r] += local_rows(shape[0], dp_shard, r) * k * cost
     return per_rank
