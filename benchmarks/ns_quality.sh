@@ -2,15 +2,20 @@
 # Does Muon with the current Newton–Schulz defaults train as the reference evaluation does? One GPU.
 #   bash benchmarks/ns_quality.sh OUT_DIR
 # 1. A 1.5B Qwen2 (the presets' recipe: qwen2-muon-fsdp2 with the 1.5B shape of scripts/gpu_bench.sh,
-#    byte data on the Python standard library, seq 2048, micro-batch 8), 300 steps twice: the reference
-#    evaluation (REFERENCE: unfused step, torch's products, the norm divided by its own pass, no
-#    float8) and the defaults. Passes when
-#    the loss at every 10th step is within 1%.
+#    byte data on the Python standard library, seq 2048, micro-batch 8), 300 steps: the reference
+#    evaluation twice (REFERENCE: unfused step, torch's products, the norm divided by its own pass, no
+#    float8), then the defaults. Two runs of one evaluation with one seed and one data order still part
+#    (GPU kernels that accumulate in a varying order, amplified where the loss falls fastest), so the
+#    check prints how far the two references are apart beside how far the defaults are from the first.
+#    Passes when the defaults' loss at every 10th step is within 1% of the reference's, or within the
+#    references' own largest difference where that is more.
 # 2. The optimizer study's Muon and NorMuon (101M, lr 0.01, seed 42, 1,000 steps) with the defaults,
 #    run beside the 1.5B runs: passes when each final eval loss is within 0.5% of docs/data/study's.
-# Env: STEPS (300), REFERENCE (overrides of the reference run), CANDIDATE (overrides of the runs it
+# Env: STEPS (300), REFERENCE (overrides of the reference runs), CANDIDATE (overrides of the runs it
 # checks: the 1.5B defaults run and the study runs; e.g. a Newton–Schulz lever before it becomes a
-# default), EXTRA (overrides of every run).
+# default), EXTRA (overrides of every run), RUNS (which runs to make, default "reference reference-2
+# defaults study"; the comparison reads whichever of them OUT_DIR holds, so runs made in separate
+# calls can be compared: RUNS= compares only).
 set -uo pipefail
 out=${1:?usage: ns_quality.sh OUT_DIR}
 mkdir -p "$out"
@@ -19,22 +24,27 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 reference=${REFERENCE:-optimizer.muon.fused=false optimizer.muon.ns_products=torch optimizer.muon.ns_fold_norm=false}
 candidate=${CANDIDATE:-}
 extra=${EXTRA:-}
+runs=" ${RUNS-reference reference-2 defaults study} "
 big=(qwen2-muon-fsdp2 data.tokenizer=byte 'data.sources=[{path: "${stdlib:}/*.py"}]' train.eval_interval=0
   data.seq_len=2048 train.micro_batch_size=8 model.hf.hidden_size=1536 model.hf.intermediate_size=8960
   model.hf.num_hidden_layers=28 model.hf.num_attention_heads=12 "train.max_steps=${STEPS:-300}"
   logging.log_interval=10 checkpoint.interval=0 checkpoint.save_at_end=false logging.console=plain)
 # The study runs share the GPU with the 1.5B runs (only their losses are compared).
-for v in muon normuon; do
+if [[ $runs == *" study "* ]]; then
+  for v in muon normuon; do
+    # shellcheck disable=SC2086
+    python3 -m muonrun pretrain "study-$v" optimizer.muon.lr=0.01 train.seed=42 $candidate $extra output_dir="$out/study-$v" \
+      logging.console=plain >"$out/study-$v.log" 2>&1 || echo "ns_quality.sh: study-$v failed: $out/study-$v.log" >&2 &
+  done
+fi
+for run in reference reference-2 defaults; do
+  [[ $runs == *" $run "* ]] || continue
+  overrides=$reference
+  [[ $run == defaults ]] && overrides=$candidate
   # shellcheck disable=SC2086
-  python3 -m muonrun pretrain "study-$v" optimizer.muon.lr=0.01 train.seed=42 $candidate $extra output_dir="$out/study-$v" \
-    logging.console=plain >"$out/study-$v.log" 2>&1 || echo "ns_quality.sh: study-$v failed: $out/study-$v.log" >&2 &
+  python3 -m muonrun pretrain "${big[@]}" $overrides $extra output_dir="$out/$run" >"$out/$run.log" 2>&1 \
+    || echo "ns_quality.sh: the $run run failed: $out/$run.log" >&2
 done
-# shellcheck disable=SC2086
-python3 -m muonrun pretrain "${big[@]}" $reference $extra output_dir="$out/reference" >"$out/reference.log" 2>&1 \
-  || echo "ns_quality.sh: the reference run failed: $out/reference.log" >&2
-# shellcheck disable=SC2086
-python3 -m muonrun pretrain "${big[@]}" $candidate $extra output_dir="$out/defaults" >"$out/defaults.log" 2>&1 \
-  || echo "ns_quality.sh: the defaults run failed: $out/defaults.log" >&2
 wait
 python3 - "$out" "$here/docs/data/study" <<'PY'
 import json, pathlib, sys
@@ -46,14 +56,23 @@ def losses(run):
 def final_eval(run):
     evals = [r["eval_loss"] for r in rows(run / "metrics.jsonl") if "eval_loss" in r]
     return evals[-1] if evals else float("nan")
-a, b = losses(out / "reference"), losses(out / "defaults")
-common = sorted(set(a) & set(b))
-worst = max((abs(b[s] - a[s]) / a[s], s) for s in common) if common else (float("nan"), None)
-print(f"1.5B, {len(common)} logged steps: largest relative loss difference {worst[0]:.4%} at step {worst[1]}"
-      f" (limit 1%): {'pass' if worst[0] <= 0.01 else 'FAIL'}")
+def worst(a, b):
+    common = sorted(set(a) & set(b))
+    return (max((abs(b[s] - a[s]) / a[s], s) for s in common) if common else (float("nan"), None)), common
+a, b, a2 = losses(out / "reference"), losses(out / "defaults"), losses(out / "reference-2")
+(diff, at), common = worst(a, b)
+(spread, spread_at), _ = worst(a, a2) if a2 else ((float("nan"), None), [])
+bound = max(0.01, spread) if a2 else 0.01
+print(f"1.5B, {len(common)} logged steps: largest relative loss difference {diff:.4%} at step {at}")
+if a2:
+    print(f"  the two reference runs: largest relative difference {spread:.4%} at step {spread_at}")
+print(f"  limit {bound:.4%} (1%, or the references' own difference where more): {'pass' if diff <= bound else 'FAIL'}")
 for s in common[:: max(1, len(common) // 10)]:
-    print(f"  step {s:4d}  reference {a[s]:.4f}  defaults {b[s]:.4f}")
+    second = f"  reference-2 {a2[s]:.4f}" if s in a2 else ""
+    print(f"  step {s:4d}  reference {a[s]:.4f}{second}  defaults {b[s]:.4f}")
 for v in ("muon", "normuon"):
+    if not (out / f"study-{v}").exists():
+        continue
     new, old = final_eval(out / f"study-{v}"), final_eval(ref / f"{v}-lr0.01-seed42")
     rel = abs(new - old) / old
     print(f"study-{v}: final eval loss {new:.4f} vs {old:.4f} in docs/data/study ({rel:.3%}, limit 0.5%):"
