@@ -105,7 +105,8 @@ NAMED_TABLES: dict[str, tuple[tuple[Coefficients, ...], float]] = {
 # rounding in the Gram matrix compounds until the result is useless; with one before the third
 # iteration it is as close to the exact polar factor as the standard iteration
 # (benchmarks/gram_ns_numerics.py). It is used only for matrices at least GRAM_MIN_ASPECT times wider
-# than tall: on square ones it costs more FLOPs than the standard iteration.
+# than tall: on square ones it costs more FLOPs than the standard iteration. With quack's symmetric
+# products it has fewer FLOPs at any aspect above 1, but runs slower below 1.5 (docs/performance.md, [w4]).
 GRAM_RESTART = 2
 GRAM_MIN_ASPECT = 1.5
 
