@@ -68,6 +68,15 @@ def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return length(a) - covered
 
 
+def covered(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of [lo, hi] that the sorted, disjoint intervals `busy` cover."""
+    total, i = 0.0, max(bisect.bisect_right(busy, (lo,)) - 1, 0)
+    while i < len(busy) and busy[i][0] < hi:
+        total += max(0.0, min(hi, busy[i][1]) - max(lo, busy[i][0]))
+        i += 1
+    return total
+
+
 def is_communication(name: str) -> bool:
     return "nccl" in name.lower()
 
@@ -109,18 +118,26 @@ def summarize(events: list[dict]) -> str:
     )
     phase_starts = [p[0] for p in phases]
 
-    def phase_at(ts: float) -> str:
+    def instance_at(ts: float) -> int | None:
         i = bisect.bisect_right(phase_starts, ts) - 1
-        return phases[i][2] if i >= 0 and ts <= phases[i][1] else "other"
+        return i if i >= 0 and ts <= phases[i][1] else None
 
-    launch_phase = {
-        e["args"]["correlation"]: phase_at(e["ts"])
+    def phase_at(ts: float) -> str:
+        i = instance_at(ts)
+        return "other" if i is None else phases[i][2]
+
+    launch_instance = {
+        e["args"]["correlation"]: instance_at(e["ts"])
         for e in events
         if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
     }
 
+    def instance_of(kernel: dict) -> int | None:
+        return launch_instance.get(kernel.get("args", {}).get("correlation"))
+
     def launched_in(kernel: dict) -> str:
-        return launch_phase.get(kernel.get("args", {}).get("correlation"), "other")
+        i = instance_of(kernel)
+        return "other" if i is None else phases[i][2]
 
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
     lines = [f"{len(steps)} profiled steps (rank 0)"]
@@ -145,16 +162,27 @@ def summarize(events: list[dict]) -> str:
         f"communication busy {length(comm) / 1e3 / n:.1f} (exposed, no compute beside it: "
         f"{subtract(comm, compute) / 1e3 / n:.1f}), idle {(span - length(busy)) / 1e3 / n:.1f} ms/step",
         "",
-        "by phase (launched inside record_function 'muonrun.<phase>'), per step:",
-        f"  {'phase':<20} {'CPU ms':>9} {'GPU compute ms':>15} {'GPU comm ms':>12}",
+        "by phase (launched inside record_function 'muonrun.<phase>'), per step; its GPU window runs from its",
+        "first kernel's start to its last one's end, and idle is the window's time with no stream busy: the GPU",
+        "waiting on the host's launches (the profiler slows the host, so an upper bound for an unprofiled run)",
+        f"  {'phase':<20} {'CPU ms':>9} {'GPU compute ms':>15} {'GPU comm ms':>12} {'window ms':>10} {'idle ms':>8}",
     ]
     gpu_compute, gpu_comm = defaultdict(float), defaultdict(float)
+    extent: dict[int, list[float]] = {}  # phase instance -> [first kernel start, last kernel end]
     for e in device:
         (gpu_comm if is_communication(e["name"]) else gpu_compute)[launched_in(e)] += e["dur"]
+        i = instance_of(e)
+        if i is not None:
+            lo_hi = extent.setdefault(i, [e["ts"], e["ts"] + e["dur"]])
+            lo_hi[1] = max(lo_hi[1], e["ts"] + e["dur"])
+    window, idle = defaultdict(float), defaultdict(float)
+    for i, (lo, hi) in extent.items():
+        window[phases[i][2]] += hi - lo
+        idle[phases[i][2]] += hi - lo - covered(busy, lo, hi)
     for name in sorted(set(cpu) | set(gpu_compute) | set(gpu_comm), key=lambda k: -gpu_compute[k]):
         lines.append(
             f"  {name:<20} {cpu[name] / 1e3 / n:9.2f} {gpu_compute[name] / 1e3 / n:15.2f} "
-            f"{gpu_comm[name] / 1e3 / n:12.2f}"
+            f"{gpu_comm[name] / 1e3 / n:12.2f} {window[name] / 1e3 / n:10.2f} {idle[name] / 1e3 / n:8.2f}"
         )
     waits = host_waits(events, phase_at)
     lines += ["", "host waits for the GPU (synchronize calls, by phase and the op that made them), per step:"]
