@@ -79,11 +79,12 @@ def test_timeline_splits_compute_communication_and_idle():
     rows = {
         line.split()[0]: line.split()[1:]
         for line in text.splitlines()
-        if line.startswith("  ") and len(line.split()) == 6
+        if line.startswith("  ") and len(line.split()) == 7
     }
-    # GPU compute, communication, window (first kernel's start to last one's end), idle inside it
-    assert rows["forward_backward"][1:] == ["4.00", "3.00", "6.00", "0.00"]
-    assert rows["optimizer"][1:] == ["2.00", "0.00", "2.00", "0.00"]
+    # GPU compute, communication, window (first kernel's start to last one's end), idle inside it, and
+    # the lag from the host entering the phase to the GPU starting it
+    assert rows["forward_backward"][1:] == ["4.00", "3.00", "6.00", "0.00", "0.00"]
+    assert rows["optimizer"][1:] == ["2.00", "0.00", "2.00", "0.00", "7.99"]
     assert (
         "host waits for the GPU" in text
         and text.split("host waits for the GPU")[1].split("\n")[1] == "  none"
@@ -104,7 +105,8 @@ def launch(ts, corr):
 def test_timeline_gives_each_phase_its_gpu_window_and_the_idle_inside_it():
     """The optimizer launches kernels at 0-2 and 5-6 ms; a kernel launched before profiling began runs
     at 3-4 ms, so the optimizer's 6 ms window is idle for 2 (the GPU waiting on its launches); the
-    forward's one kernel at 7-9 ms has a 2 ms window with nothing idle."""
+    forward's one kernel at 7-9 ms has a 2 ms window with nothing idle, begun 6.99 ms after the host
+    entered the phase (the host ran ahead)."""
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "ts": 0, "dur": 10_000},
         {"ph": "X", "cat": "user_annotation", "name": "muonrun.optimizer", "ts": 0, "dur": 5},
@@ -120,11 +122,17 @@ def test_timeline_gives_each_phase_its_gpu_window_and_the_idle_inside_it():
     rows = {
         line.split()[0]: line.split()[1:]
         for line in summarize(events).splitlines()
-        if line.startswith("  ") and len(line.split()) == 6
+        if line.startswith("  ") and len(line.split()) == 7
     }
-    assert rows["optimizer"][1:] == ["3.00", "0.00", "6.00", "2.00"]
-    assert rows["forward_backward"][1:] == ["2.00", "0.00", "2.00", "0.00"]
-    assert rows["other"][1:] == ["1.00", "0.00", "0.00", "0.00"]  # launched outside the profile: no window
+    assert rows["optimizer"][1:] == ["3.00", "0.00", "6.00", "2.00", "0.00"]
+    assert rows["forward_backward"][1:] == ["2.00", "0.00", "2.00", "0.00", "6.99"]
+    assert rows["other"][1:] == [
+        "1.00",
+        "0.00",
+        "0.00",
+        "0.00",
+        "0.00",
+    ]  # launched outside the profile: no window
 
 
 def test_timeline_names_where_the_host_waited():

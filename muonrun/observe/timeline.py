@@ -163,9 +163,11 @@ def summarize(events: list[dict]) -> str:
         f"{subtract(comm, compute) / 1e3 / n:.1f}), idle {(span - length(busy)) / 1e3 / n:.1f} ms/step",
         "",
         "by phase (launched inside record_function 'muonrun.<phase>'), per step; its GPU window runs from its",
-        "first kernel's start to its last one's end, and idle is the window's time with no stream busy: the GPU",
-        "waiting on the host's launches (the profiler slows the host, so an upper bound for an unprofiled run)",
-        f"  {'phase':<20} {'CPU ms':>9} {'GPU compute ms':>15} {'GPU comm ms':>12} {'window ms':>10} {'idle ms':>8}",
+        "first kernel's start to its last one's end; idle is the window's time with no stream busy, the GPU",
+        "waiting on the host's launches (the profiler slows the host: an upper bound for an unprofiled run); lag",
+        "is how long after the host entered the phase the GPU began it (large: the host runs ahead, launches queue)",
+        f"  {'phase':<20} {'CPU ms':>9} {'GPU compute ms':>15} {'GPU comm ms':>12} {'window ms':>10} {'idle ms':>8}"
+        f" {'lag ms':>8}",
     ]
     gpu_compute, gpu_comm = defaultdict(float), defaultdict(float)
     extent: dict[int, list[float]] = {}  # phase instance -> [first kernel start, last kernel end]
@@ -175,14 +177,16 @@ def summarize(events: list[dict]) -> str:
         if i is not None:
             lo_hi = extent.setdefault(i, [e["ts"], e["ts"] + e["dur"]])
             lo_hi[1] = max(lo_hi[1], e["ts"] + e["dur"])
-    window, idle = defaultdict(float), defaultdict(float)
+    window, idle, lag = defaultdict(float), defaultdict(float), defaultdict(float)
     for i, (lo, hi) in extent.items():
         window[phases[i][2]] += hi - lo
         idle[phases[i][2]] += hi - lo - covered(busy, lo, hi)
+        lag[phases[i][2]] += lo - phases[i][0]
     for name in sorted(set(cpu) | set(gpu_compute) | set(gpu_comm), key=lambda k: -gpu_compute[k]):
         lines.append(
             f"  {name:<20} {cpu[name] / 1e3 / n:9.2f} {gpu_compute[name] / 1e3 / n:15.2f} "
             f"{gpu_comm[name] / 1e3 / n:12.2f} {window[name] / 1e3 / n:10.2f} {idle[name] / 1e3 / n:8.2f}"
+            f" {lag[name] / 1e3 / n:8.2f}"
         )
     waits = host_waits(events, phase_at)
     lines += ["", "host waits for the GPU (synchronize calls, by phase and the op that made them), per step:"]
