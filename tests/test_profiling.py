@@ -126,13 +126,29 @@ def test_timeline_gives_each_phase_its_gpu_window_and_the_idle_inside_it():
     }
     assert rows["optimizer"][1:] == ["3.00", "0.00", "6.00", "2.00", "0.00"]
     assert rows["forward_backward"][1:] == ["2.00", "0.00", "2.00", "0.00", "6.99"]
-    assert rows["other"][1:] == [
-        "1.00",
-        "0.00",
-        "0.00",
-        "0.00",
-        "0.00",
-    ]  # launched outside the profile: no window
+    # launched before the profile began: compute, but no window of its own
+    assert rows["other"][1:] == ["1.00", "0.00", "0.00", "0.00", "0.00"]
+
+
+def test_timeline_sums_the_host_time_of_fsdp_hooks_and_compiled_regions_over_the_layers():
+    """What makes a small model host-bound: per-layer hooks and compiled-graph calls, one row each."""
+    host = [
+        ("FSDP::pre_forward (lm.model.layers.0)", 0, 1_000),
+        ("FSDP::pre_forward (lm.model.layers.1)", 2_000, 3_000),
+        ("Torch-Compiled Region: 0/0", 1_000, 500),
+        ("aten::mm", 1_100, 100),
+    ]
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "ts": 0, "dur": 10_000},
+        {"ph": "X", "cat": "user_annotation", "name": "muonrun.forward_backward", "ts": 0, "dur": 9_000},
+        launch(1, 1),
+        kernel("sm90_gemm", 10, 2_000, 1),
+    ] + [{"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur} for name, ts, dur in host]
+    section = summarize(events).split("host time in FSDP2's hooks and compiled regions")[1].split("\n\n")[0]
+    assert section.splitlines()[1:] == [
+        "      4.00 ms    2.0 calls  FSDP::pre_forward",
+        "      0.50 ms    1.0 calls  Torch-Compiled Region",
+    ]
 
 
 def test_timeline_names_where_the_host_waited():

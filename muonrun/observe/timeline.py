@@ -77,6 +77,24 @@ def covered(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
     return total
 
 
+# Host-side regions that run once per wrapped module (layer) and step, whatever the module's size: in a
+# small model they, not the GPU, set the step time. Their names carry the module or graph after the prefix.
+PER_MODULE_REGIONS = ("FSDP::", "Torch-Compiled Region", "CompiledFunctionBackward", "CompiledFunction")
+
+
+def per_module_host_time(events: list[dict]) -> list[tuple[float, int, str]]:
+    """(total µs, calls, region) of FSDP2's hooks and the compiled regions on the host, largest first;
+    "FSDP::pre_forward (lm.model.layers.3)" and its siblings count as one region."""
+    groups: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("cat") not in ("cpu_op", "user_annotation") or not e["name"].startswith(PER_MODULE_REGIONS):
+            continue
+        group = groups[re.sub(r"( \(.*\)|: \d+/\d+)$", "", e["name"])]
+        group[0] += e["dur"]
+        group[1] += 1
+    return sorted(((t, n, key) for key, (t, n) in groups.items()), reverse=True)
+
+
 def is_communication(name: str) -> bool:
     return "nccl" in name.lower()
 
@@ -188,6 +206,16 @@ def summarize(events: list[dict]) -> str:
             f"{gpu_comm[name] / 1e3 / n:12.2f} {window[name] / 1e3 / n:10.2f} {idle[name] / 1e3 / n:8.2f}"
             f" {lag[name] / 1e3 / n:8.2f}"
         )
+    regions = per_module_host_time(events)
+    lines += [
+        "",
+        "host time in FSDP2's hooks and compiled regions (per wrapped module, whatever its size), per step:",
+    ]
+    lines += [
+        f"  {t / 1e3 / n:8.2f} ms  {calls / n:5.1f} calls  {name[:90]}" for t, calls, name in regions[:8]
+    ]
+    if not regions:
+        lines.append("  none")
     waits = host_waits(events, phase_at)
     lines += ["", "host waits for the GPU (synchronize calls, by phase and the op that made them), per step:"]
     lines += [
