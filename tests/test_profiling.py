@@ -135,6 +135,7 @@ def test_timeline_sums_the_host_time_of_fsdp_hooks_and_compiled_regions_over_the
     host = [
         ("FSDP::pre_forward (lm.model.layers.0)", 0, 1_000),
         ("FSDP::pre_forward (lm.model.layers.1)", 2_000, 3_000),
+        ("FSDP::backward_prefetch for lm.model.layers.0", 6_000, 200),
         ("Torch-Compiled Region: 0/0", 1_000, 500),
         ("aten::mm", 1_100, 100),
     ]
@@ -148,6 +149,7 @@ def test_timeline_sums_the_host_time_of_fsdp_hooks_and_compiled_regions_over_the
     assert section.splitlines()[1:] == [
         "      4.00 ms    2.0 calls  FSDP::pre_forward",
         "      0.50 ms    1.0 calls  Torch-Compiled Region",
+        "      0.20 ms    1.0 calls  FSDP::backward_prefetch",
     ]
 
 

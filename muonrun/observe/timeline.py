@@ -84,12 +84,13 @@ PER_MODULE_REGIONS = ("FSDP::", "Torch-Compiled Region", "CompiledFunctionBackwa
 
 def per_module_host_time(events: list[dict]) -> list[tuple[float, int, str]]:
     """(total µs, calls, region) of FSDP2's hooks and the compiled regions on the host, largest first;
-    "FSDP::pre_forward (lm.model.layers.3)" and its siblings count as one region."""
+    "FSDP::pre_forward (lm.model.layers.3)" and its siblings count as one region. Regions nest (a
+    pre-forward hook holds its all-gather), so the rows do not add up."""
     groups: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for e in events:
         if e.get("cat") not in ("cpu_op", "user_annotation") or not e["name"].startswith(PER_MODULE_REGIONS):
             continue
-        group = groups[re.sub(r"( \(.*\)|: \d+/\d+)$", "", e["name"])]
+        group = groups[re.sub(r"( \(.*\)| for .*|: \d+/\d+)$", "", e["name"])]
         group[0] += e["dur"]
         group[1] += 1
     return sorted(((t, n, key) for key, (t, n) in groups.items()), reverse=True)
@@ -209,7 +210,7 @@ def summarize(events: list[dict]) -> str:
     regions = per_module_host_time(events)
     lines += [
         "",
-        "host time in FSDP2's hooks and compiled regions (per wrapped module, whatever its size), per step:",
+        "host time in FSDP2's hooks and compiled regions (per wrapped module, whatever its size; nested), per step:",
     ]
     lines += [
         f"  {t / 1e3 / n:8.2f} ms  {calls / n:5.1f} calls  {name[:90]}" for t, calls, name in regions[:8]
