@@ -79,7 +79,7 @@ def covered(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
 
 # Host-side regions that run once per wrapped module (layer) and step, whatever the module's size: in a
 # small model they, not the GPU, set the step time. Their names carry the module or graph after the prefix.
-PER_MODULE_REGIONS = ("FSDP::", "Torch-Compiled Region", "CompiledFunctionBackward", "CompiledFunction")
+PER_MODULE_REGIONS = ("FSDP::", "Torch-Compiled Region", "CompiledFunction")  # and CompiledFunctionBackward
 
 
 def per_module_host_time(events: list[dict]) -> list[tuple[float, int, str]]:
