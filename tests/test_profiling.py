@@ -33,6 +33,26 @@ def kernel(name, ts, dur, corr):
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
 
 
+def launch(ts, corr):
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "ts": ts,
+        "dur": 1,
+        "args": {"correlation": corr},
+    }
+
+
+def phase_rows(text: str) -> dict[str, list[str]]:
+    """The timeline's by-phase table: phase -> CPU, GPU compute, communication, window, idle, lag."""
+    return {
+        line.split()[0]: line.split()[1:]
+        for line in text.splitlines()
+        if line.startswith("  ") and len(line.split()) == 7
+    }
+
+
 def test_timeline_splits_compute_communication_and_idle():
     """One 10 ms step: compute 0-4 ms, NCCL 3-6 ms (2 ms of it exposed), idle 6-8, compute 8-10."""
     events = [
@@ -40,30 +60,9 @@ def test_timeline_splits_compute_communication_and_idle():
         {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#5", "ts": 0, "dur": 10_000},
         {"ph": "X", "cat": "user_annotation", "name": "muonrun.forward_backward", "ts": 0, "dur": 5},
         {"ph": "X", "cat": "user_annotation", "name": "muonrun.optimizer", "ts": 10, "dur": 5},
-        {
-            "ph": "X",
-            "cat": "cuda_runtime",
-            "name": "cudaLaunchKernel",
-            "ts": 1,
-            "dur": 1,
-            "args": {"correlation": 1},
-        },
-        {
-            "ph": "X",
-            "cat": "cuda_runtime",
-            "name": "cudaLaunchKernel",
-            "ts": 2,
-            "dur": 1,
-            "args": {"correlation": 2},
-        },
-        {
-            "ph": "X",
-            "cat": "cuda_runtime",
-            "name": "cudaLaunchKernel",
-            "ts": 11,
-            "dur": 1,
-            "args": {"correlation": 3},
-        },
+        launch(1, 1),
+        launch(2, 2),
+        launch(11, 3),
         kernel("sm90_gemm", 0, 4_000, 1),
         kernel("ncclDevKernel_AllToAll", 3_000, 3_000, 2),
         kernel("newton_schulz_gemm", 8_000, 2_000, 3),
@@ -76,11 +75,7 @@ def test_timeline_splits_compute_communication_and_idle():
         "    2.00  [optimizer] newton_schulz_gemm" in text
         and "    4.00  [forward_backward] sm90_gemm" in text
     )
-    rows = {
-        line.split()[0]: line.split()[1:]
-        for line in text.splitlines()
-        if line.startswith("  ") and len(line.split()) == 7
-    }
+    rows = phase_rows(text)
     # GPU compute, communication, window (first kernel's start to last one's end), idle inside it, and
     # the lag from the host entering the phase to the GPU starting it
     assert rows["forward_backward"][1:] == ["4.00", "3.00", "6.00", "0.00", "0.00"]
@@ -89,17 +84,6 @@ def test_timeline_splits_compute_communication_and_idle():
         "host waits for the GPU" in text
         and text.split("host waits for the GPU")[1].split("\n")[1] == "  none"
     )
-
-
-def launch(ts, corr):
-    return {
-        "ph": "X",
-        "cat": "cuda_runtime",
-        "name": "cudaLaunchKernel",
-        "ts": ts,
-        "dur": 1,
-        "args": {"correlation": corr},
-    }
 
 
 def test_timeline_gives_each_phase_its_gpu_window_and_the_idle_inside_it():
@@ -119,11 +103,7 @@ def test_timeline_gives_each_phase_its_gpu_window_and_the_idle_inside_it():
         kernel("earlier", 3_000, 1_000, 99),
         kernel("sm90_gemm", 7_000, 2_000, 3),
     ]
-    rows = {
-        line.split()[0]: line.split()[1:]
-        for line in summarize(events).splitlines()
-        if line.startswith("  ") and len(line.split()) == 7
-    }
+    rows = phase_rows(summarize(events))
     assert rows["optimizer"][1:] == ["3.00", "0.00", "6.00", "2.00", "0.00"]
     assert rows["forward_backward"][1:] == ["2.00", "0.00", "2.00", "0.00", "6.99"]
     # launched before the profile began: compute, but no window of its own

@@ -68,15 +68,6 @@ def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return length(a) - covered
 
 
-def covered(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Length of [lo, hi] that the sorted, disjoint intervals `busy` cover."""
-    total, i = 0.0, max(bisect.bisect_right(busy, (lo,)) - 1, 0)
-    while i < len(busy) and busy[i][0] < hi:
-        total += max(0.0, min(hi, busy[i][1]) - max(lo, busy[i][0]))
-        i += 1
-    return total
-
-
 # Host-side regions that run once per wrapped module (layer) and step, whatever the module's size: in a
 # small model they, not the GPU, set the step time. Their names carry the module or graph after the prefix.
 PER_MODULE_REGIONS = ("FSDP::", "Torch-Compiled Region", "CompiledFunction")  # and CompiledFunctionBackward
@@ -199,7 +190,7 @@ def summarize(events: list[dict]) -> str:
     window, idle, lag = defaultdict(float), defaultdict(float), defaultdict(float)
     for i, (lo, hi) in extent.items():
         window[phases[i][2]] += hi - lo
-        idle[phases[i][2]] += hi - lo - covered(busy, lo, hi)
+        idle[phases[i][2]] += subtract([(lo, hi)], busy)
         lag[phases[i][2]] += lo - phases[i][0]
     for name in sorted(set(cpu) | set(gpu_compute) | set(gpu_comm), key=lambda k: -gpu_compute[k]):
         lines.append(
