@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_ns_levers import MODELS, model_shapes  # benchmarks/: on the path when a script runs
+from bench_max_logit import timed  # benchmarks/: on the path when a script runs
+from bench_ns_levers import MODELS, model_shapes
 
 from muonrun.optim import Muon  # noqa: E402
 from muonrun.optim.ns_quack import QuackProducts  # noqa: E402
@@ -41,8 +42,16 @@ MODELS.setdefault("study", (768, 2048, 16, 256))
 REPEATS = 10
 
 
-def events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
-    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def host_and_gpu_ms(fn) -> tuple[float, float]:
+    """One call of ``fn``: its wall time on the host, and its CUDA-event time on the GPU."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    fn()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3
+    end.synchronize()
+    return host, start.elapsed_time(end)
 
 
 def measure(model: str, variant: str) -> dict[str, float | str]:
@@ -68,25 +77,15 @@ def measure(model: str, variant: str) -> dict[str, float | str]:
     host, gpu, queued = [], [], []
     for _ in range(REPEATS):
         torch.cuda.synchronize()
-        start, end = events()
-        t0 = time.perf_counter()
-        start.record()
-        opt.step()
-        end.record()
-        host.append((time.perf_counter() - t0) * 1e3)
-        end.synchronize()
-        gpu.append(start.elapsed_time(end))
+        host_ms, gpu_ms = host_and_gpu_ms(opt.step)
+        host.append(host_ms)
+        gpu.append(gpu_ms)
     busy = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     for _ in range(REPEATS):
         torch.cuda.synchronize()
         for _ in range(20):  # about 30 ms of GPU work for the host to run ahead of
             busy @ busy
-        start, end = events()
-        start.record()
-        opt.step()
-        end.record()
-        end.synchronize()
-        queued.append(start.elapsed_time(end))
+        queued.append(host_and_gpu_ms(opt.step)[1])
     row: dict[str, float | str] = {
         "model": model,
         "variant": variant,
@@ -104,15 +103,7 @@ def measure(model: str, variant: str) -> dict[str, float | str]:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             opt.step()
-        replay = []
-        for _ in range(REPEATS):
-            start, end = events()
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            replay.append(start.elapsed_time(end))
-        row["graph_ms"] = statistics.median(replay)
+        row["graph_ms"] = timed(graph.replay, REPEATS, warmup=0)
     except Exception as e:  # a capture failure is a result too
         row["graph_ms"] = f"capture failed: {type(e).__name__}: {str(e)[:200]}"
     return row

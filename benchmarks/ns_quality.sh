@@ -75,8 +75,9 @@ def tail_mean(x):
     steps = [s for s in sorted(x) if s > 2 * max(x) // 3]
     return sum(x[s] for s in steps) / len(steps) if steps else float("nan")
 if common:
-    tail = abs(tail_mean(b) / tail_mean(a) - 1)
-    tail_spread = abs(tail_mean(a2) / tail_mean(a) - 1) if a2 else float("nan")
+    ref_tail = tail_mean(a)
+    tail = abs(tail_mean(b) / ref_tail - 1)
+    tail_spread = abs(tail_mean(a2) / ref_tail - 1) if a2 else float("nan")
     tail_bound = max(0.005, tail_spread) if a2 else 0.005
     print(f"  mean loss over the last third: defaults {tail:.4%} from the reference"
           + (f", reference-2 {tail_spread:.4%}" if a2 else "")
