@@ -86,7 +86,73 @@ def expert_chunks(stacked: Sequence[tuple[int, Tensor]], bucket_numel: int) -> l
     return chunks
 
 
-def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
+def chunk_shape(opt, chunk: Sequence[tuple[int, Tensor]]) -> tuple[int, int, int]:
+    """``(matrices, rows, cols)`` of the Newton–Schulz stack of a chunk on this rank (no matrices where
+    it holds none of these experts)."""
+    e, out_dim, cols = local_tensor(chunk[0][1]).shape
+    k = opt.param_groups[chunk[0][0]]["matrices_per_expert"]
+    return len(chunk) * e * k, out_dim // k, cols
+
+
+def stacked_momentum(opt, chunk: Sequence[tuple[int, Tensor]], s, X: Tensor | None = None) -> Tensor:
+    """Step 1 of ``step_stacked``: momentum and the Nesterov look-ahead of a chunk (step settings ``s``)
+    written in ``opt.ns_dtype`` into ``X`` (``chunk_shape``; a new one where None), which it returns."""
+    gi = chunk[0][0]
+    params = [p for _, p in chunk]
+    bufs = [local_tensor(opt._momentum_buffer(p)) for p in params]
+    grads = []
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        grads.append(local_tensor(p.grad))
+    e, out_dim, cols = grads[0].shape
+    if X is None:
+        X = torch.empty(chunk_shape(opt, chunk), dtype=opt.ns_dtype, device=grads[0].device)
+    updates = list(X.view(len(params), e, out_dim, cols).unbind(0))
+    opt._passes.momentum(
+        ("experts", gi, e, out_dim, cols, len(params)), bufs, grads, updates, s.momentum, s.nesterov
+    )
+    if opt._sums is not None:
+        opt._sums.add(reduce_group(params[0]), "momentum", sum_of_squares(bufs))
+    return X
+
+
+def stacked_update(opt, chunk: Sequence[tuple[int, Tensor]], X: Tensor, s, scalars) -> None:
+    """Steps 2 and 3 of ``step_stacked`` on the look-ahead ``X`` that ``stacked_momentum`` wrote;
+    ``scalars``: the step's ``settings.UpdateScalars``."""
+    gi = chunk[0][0]
+    group = opt.param_groups[gi]
+    ns = NSSettings.of(group)
+    params = [p for _, p in chunk]
+    locals_ = [local_tensor(p) for p in params]
+    e, out_dim, cols = locals_[0].shape
+    rows = out_dim // group["matrices_per_expert"]
+    updates = list(X.view(len(params), e, out_dim, cols).unbind(0))
+    scaling = ns.scaling(opt._passes.scale, (rows, cols) if opt.fold_norm else None)
+    if scaling is None:  # Frobenius: a pass of its own; AOL (or fold_norm) folds it into the first product
+        opt._passes.normalize(X.view(X.shape[0], -1), rows, cols, ns.norm_scale, ns.eps)
+    opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
+    row_factors = None
+    if ns.normuon:
+        vs = [local_tensor(opt._second_moment(p)) for p in params]
+        v = torch.cat([v.view(-1, rows) for v in vs])
+        factor, v = normuon_row_scale(X, v, *ns.normuon)  # applied with the update (step 3)
+        compat.foreach_copy_([v.view(-1, rows) for v in vs], list(v.view(len(params), -1, rows).unbind(0)))
+        row_factors = list(factor.view(len(params), e, out_dim).unbind(0))
+    opt.stats["orthogonalized"] += X.shape[0]
+    opt.stats["gram"] += X.shape[0] * (opt.gram and uses_gram_form((rows, cols), len(ns.per_step)))
+    if opt._sums is not None:  # what the step changes, before it changes it
+        deltas = compat.foreach_mul(locals_, -s.lr * s.weight_decay)
+        scaled = with_row_factors(updates, row_factors) if ns.normuon else updates
+        compat.foreach_add_(deltas, scaled, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+        opt._sums.add(reduce_group(params[0]), "update", sum_of_squares(deltas))
+    slots = [scalars.slots[(gi, rows, cols)]] * len(params)
+    opt._passes.decay_and_update(
+        ("experts", gi, e, out_dim, cols, len(params)), locals_, updates, scalars.passed, slots, row_factors
+    )
+
+
+def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s, scalars) -> None:
     """`Muon.step` for one chunk of stacked expert parameters (``expert_chunks``; step settings ``s``
     of their param group): all local, no exchange.
 
@@ -96,50 +162,17 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s) -> None:
        ``eps``, by a pass or folded into the first product with ``opt.fold_norm``; or AOL's row scaling
        inside the first product) and iterated in one batch, in place;
        NorMuon: each row's factor from ``normuon_row_scale`` and the rows' ``v`` updated.
-    3. Weight decay and the scaled update, NorMuon's row factors applied in it (``opt._passes`` again).
+    3. Weight decay and the scaled update (``scalars``: the step's ``settings.UpdateScalars``),
+       NorMuon's row factors applied in it (``opt._passes`` again).
     """
-    gi = chunk[0][0]
-    group = opt.param_groups[gi]
-    ns = NSSettings.of(group)
-    params = [p for _, p in chunk]
-    bufs = [local_tensor(opt._momentum_buffer(p)) for p in params]  # state on every rank, experts or not
-    vs = [local_tensor(opt._second_moment(p)) for p in params] if ns.normuon else []
-    locals_ = [local_tensor(p) for p in params]
-    e, out_dim, cols = locals_[0].shape
-    pg = reduce_group(params[0])
-    if e == 0:  # this rank holds none of these experts; its zero still joins the telemetry's all-reduce
+    if chunk_shape(opt, chunk)[0] == 0:  # no experts here: its (empty) state still exists for DCP, and
+        bufs = [
+            local_tensor(opt._momentum_buffer(p)) for _, p in chunk
+        ]  # its zeros join telemetry's all-reduce
+        if NSSettings.of(opt.param_groups[chunk[0][0]]).normuon:
+            for _, p in chunk:
+                opt._second_moment(p)
         if opt._sums is not None:
-            opt._sums.add(pg, "momentum", sum_of_squares(bufs))
+            opt._sums.add(reduce_group(chunk[0][1]), "momentum", sum_of_squares(bufs))
         return
-    k = group["matrices_per_expert"]
-    rows = out_dim // k
-    grads = []
-    for p in params:
-        if p.grad.is_sparse:
-            raise RuntimeError("Muon does not support sparse gradients")
-        grads.append(local_tensor(p.grad))
-    X = torch.empty(len(params) * e * k, rows, cols, dtype=opt.ns_dtype, device=locals_[0].device)
-    updates = list(X.view(len(params), e, out_dim, cols).unbind(0))
-    key = ("experts", gi, e, out_dim, cols, len(params))
-    opt._passes.momentum(key, bufs, grads, updates, s.momentum, s.nesterov)
-    scaling = ns.scaling(opt._passes.scale, (rows, cols) if opt.fold_norm else None)
-    if scaling is None:  # Frobenius: a pass of its own; AOL (or fold_norm) folds it into the first product
-        opt._passes.normalize(X.view(X.shape[0], -1), rows, cols, ns.norm_scale, ns.eps)
-    opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
-    if ns.normuon:
-        v = torch.cat([v.view(-1, rows) for v in vs])
-        factor, v = normuon_row_scale(X, v, *ns.normuon)  # applied with the update (step 3)
-        compat.foreach_copy_([v.view(-1, rows) for v in vs], list(v.view(len(params), -1, rows).unbind(0)))
-        row_factors = list(factor.view(len(params), e, out_dim).unbind(0))
-    opt.stats["orthogonalized"] += X.shape[0]
-    opt.stats["gram"] += X.shape[0] * (opt.gram and uses_gram_form((rows, cols), len(ns.per_step)))
-    factor, alpha = 1 - s.lr * s.weight_decay, -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))
-    if opt._sums is not None:  # what the step changes, before it changes it
-        opt._sums.add(pg, "momentum", sum_of_squares(bufs))
-        deltas = compat.foreach_mul(locals_, -s.lr * s.weight_decay)
-        scaled = with_row_factors(updates, row_factors) if ns.normuon else updates
-        compat.foreach_add_(deltas, scaled, alpha=alpha)
-        opt._sums.add(pg, "update", sum_of_squares(deltas))
-    opt._passes.decay_and_update(
-        key, [(locals_, updates, factor, alpha)], row_factors if ns.normuon else None
-    )
+    stacked_update(opt, chunk, stacked_momentum(opt, chunk, s), s, scalars)

@@ -23,7 +23,7 @@ the slice of a contiguous one in place.
 ``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
 bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
 learning-rate-dependent scalars travel as one device tensor, so a schedule that changes them every
-step compiles nothing new. Where compiling is not possible (a CPU, or a compile that fails) it runs
+step compiles nothing new (``settings.UpdateScalars``). Where compiling is not possible (a CPU, or a compile that fails) it runs
 the same ops eagerly and says so once. Only ``muonrun.optim.muon`` uses this module.
 """
 
@@ -37,7 +37,6 @@ from torch import Tensor
 
 from muonrun import compat, log
 from muonrun.compat import compile_error
-from muonrun.distributed import to_device
 from muonrun.optim.ns_scaling import multiply_
 
 _said: set[str] = set()
@@ -170,21 +169,17 @@ class Passes:
         self._call(_layout("scale", T, f), multiply_, T, f)
 
     def decay_and_update(
-        self, key: tuple, runs: Sequence[tuple[list, list, float, float]], row_factors: list | None = None
+        self,
+        key: tuple,
+        params: Sequence[Tensor],
+        updates: Sequence[Tensor],
+        scalars: Tensor | Sequence[float],
+        slots: Sequence[tuple[int, int]],
+        row_factors: list | None = None,
     ) -> None:
-        """``runs``: (params, updates, decay factor, update scale) per group and shape;
-        ``row_factors``: NorMuon's, one tensor per update in the runs' order. The host scalars become
-        one device tensor when compiled (without a host-to-device copy)."""
-        params, updates, values, slots, factors = [], [], [], [], {}
-        for ps, us, factor, alpha in runs:
-            if factor not in factors:
-                factors[factor] = len(values)
-                values.append(factor)
-            values.append(alpha)
-            params += ps
-            updates += us
-            slots += [(factors[factor], len(values) - 1)] * len(ps)
-        scalars = to_device(values, params[0].device) if self.compiled else values
+        """``decay_and_update`` on one bucket: ``scalars`` the step's ``settings.UpdateScalars`` values
+        (a device tensor where compiled: new values every step, nothing recompiled), ``slots`` each
+        parameter's two; ``row_factors``: NorMuon's, one tensor per update."""
         self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots), row_factors)
 
     @classmethod

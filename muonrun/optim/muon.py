@@ -68,13 +68,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from muonrun import compat
-from muonrun.distributed import local_tensor
-from muonrun.optim.experts import check_stacked, expert_chunks, expert_rows_like, step_stacked
+from muonrun.distributed import local_tensor, to_device
+from muonrun.optim.exchange import step_exchanged
+from muonrun.optim.experts import check_stacked, chunk_shape, expert_chunks, expert_rows_like, step_stacked
 from muonrun.optim.fused import Passes, frobenius_divisors, with_row_factors
+from muonrun.optim.graphed import StepGraph
+from muonrun.optim.local import buffer_for, finish, finish_all, local_units, start
 from muonrun.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
@@ -88,7 +90,7 @@ from muonrun.optim.newton_schulz import (
     uses_gram_form,
 )
 from muonrun.optim.ns_products import Products
-from muonrun.optim.settings import NSSettings, StepSettings, check_settings, to_float
+from muonrun.optim.settings import NSSettings, StepSettings, UpdateScalars, check_settings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
@@ -141,6 +143,9 @@ class Muon(torch.optim.Optimizer):
     - ``fold_norm`` (default False): a Gram-form stack held whole (one rank in the shard group;
       stacked experts) takes its Frobenius norm from the trace of its first Gram product, applied to
       the ``m x m`` products (``newton_schulz.Scaling``), not in a pass over the ``m x n`` matrices;
+    - ``cuda_graph`` (default False): what a rank steps on its own after the momentum pass replayed
+      from a CUDA graph (``muonrun.optim.graphed``): one launch instead of hundreds, for models whose
+      host cannot keep ahead of the GPU; eager on a CPU;
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -189,6 +194,7 @@ class Muon(torch.optim.Optimizer):
         fused: bool = False,
         products: Products | None = None,
         fold_norm: bool = False,
+        cuda_graph: bool = False,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -224,6 +230,9 @@ class Muon(torch.optim.Optimizer):
         self.fused = bool(fused)
         self.products = products
         self.fold_norm = bool(fold_norm and gram)  # only the Gram form reads the norm off its products
+        self.cuda_graph = bool(cuda_graph)
+        self._graph: StepGraph | None = None
+        self.register_load_state_dict_post_hook(Muon._drop_graph)  # new state tensors: new addresses
         self._passes = Passes(compiled=False)
         self.stats = {"orthogonalized": 0, "gram": 0, "all_to_all": 0}
         self.telemetry: dict[str, Tensor] = {}
@@ -259,6 +268,9 @@ class Muon(torch.optim.Optimizer):
         if hasattr(self, "stats"):  # not during __init__
             self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
             self._plan = None
+
+    def _drop_graph(self) -> None:
+        self._graph = None
 
     def _get_plan(self) -> list[Partition]:
         """The exchange plan for the matrices that have gradients, rebuilt only when that set or a
@@ -308,13 +320,39 @@ class Muon(torch.optim.Optimizer):
             for p in g["params"]
             if p.ndim == 3 and p.grad is not None
         ]
-        if self.collect_telemetry and (plan or stacked):
-            device = plan[0].device if plan else local_tensor(stacked[0][1]).device
+        chunks = expert_chunks(stacked, self.bucket_numel)
+        device = plan[0].device if plan else local_tensor(stacked[0][1]).device if stacked else None
+        if self.collect_telemetry and device is not None:
             self._sums = Sums(("update", "momentum", "ortho_residual"), device)
+        keys = [(gi, r, c) for part in plan for b in part.buckets for gi, r, c, _ in b.by_update]
+        scalars = UpdateScalars.of(keys + [(c[0][0], *chunk_shape(self, c)[1:]) for c in chunks], settings)
+        # What a rank steps on its own (one-rank shard groups, stacked experts it holds), in units that
+        # each start from a momentum pass into a buffer: the part a CUDA graph may replay.
+        units = local_units(self, plan, chunks)
+        graph = None
+        if self.cuda_graph and units and self._sums is None:  # made anew for new matrices or settings
+            key = (self._plan_key, tuple((gi, id(p)) for gi, p in stacked), len(scalars.values))
+            if self._graph is None or self._graph.key != key:
+                self._graph = StepGraph(key, [buffer_for(self, u) for u in units], len(scalars.values))
+            graph = self._graph
+        if graph is not None:
+            graph.scalars.copy_(to_device(scalars.values, device))
+            scalars.on_device = graph.scalars
+        elif self._passes.compiled and scalars.values:
+            scalars.on_device = to_device(scalars.values, device)
         for part in plan:
-            self._step_partition(part, settings)
-        for chunk in expert_chunks(stacked, self.bucket_numel):
-            step_stacked(self, chunk, settings[chunk[0][0]])
+            if part.shard.world > 1:
+                step_exchanged(self, part, settings, scalars)
+        for chunk in chunks:
+            if not chunk_shape(self, chunk)[0]:
+                step_stacked(self, chunk, settings[chunk[0][0]], scalars)  # its state and telemetry only
+        if graph is None:
+            for unit in units:
+                finish(self, unit, start(self, unit, settings), settings, scalars)
+        else:
+            for unit, buf in zip(units, graph.buffers, strict=True):
+                start(self, unit, settings, buf)
+            graph.run(lambda: finish_all(self, units, graph.buffers, settings, scalars), self.stats)
         if self._sums is not None:
             total, self._sums = self._sums.total(), None
             numel = sum(it.rows * it.cols for part in plan for b in part.buckets for it in b.items)
@@ -340,9 +378,13 @@ class Muon(torch.optim.Optimizer):
             state["second_moment"] = expert_rows_like(p) if p.ndim == 3 else rows_like(p)
         return state["second_moment"]
 
-    def _prepare(self, part: Partition, bucket: Bucket, settings: Sequence[StepSettings]) -> Tensor:
-        """Momentum on local rows; writes the slabs (padding zeroed, NorMuon's v appended) to send."""
-        send = torch.empty(bucket.send_numel, dtype=self.ns_dtype, device=part.device)
+    def _prepare(
+        self, part: Partition, bucket: Bucket, settings: Sequence[StepSettings], send: Tensor | None = None
+    ) -> Tensor:
+        """Momentum on local rows; writes the slabs (padding zeroed, NorMuon's v appended) to send, into
+        ``send`` (None: a new buffer), which it returns."""
+        if send is None:
+            send = torch.empty(bucket.send_numel, dtype=self.ns_dtype, device=part.device)
         for gi, items in bucket.by_group:
             momentum, nesterov = settings[gi].momentum, settings[gi].nesterov
             bufs, grads, dsts = [], [], []
@@ -417,9 +459,15 @@ class Muon(torch.optim.Optimizer):
             self.stats["gram"] += k * (self.gram and uses_gram_form(X.shape, len(ns.per_step)))
 
     def _apply(
-        self, part: Partition, bucket: Bucket, result: Tensor, settings: Sequence[StepSettings]
+        self,
+        part: Partition,
+        bucket: Bucket,
+        result: Tensor,
+        settings: Sequence[StepSettings],
+        scalars: UpdateScalars,
     ) -> None:
-        """Weight decay and the scaled update on this rank's rows (NorMuon: and the new v)."""
+        """Weight decay and the scaled update on this rank's rows (``scalars``: the step's
+        ``UpdateScalars``; NorMuon: and the new v)."""
         views = {
             id(it): result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
             for it in bucket.items
@@ -438,56 +486,13 @@ class Muon(torch.optim.Optimizer):
                 compat.foreach_add_(d, us, alpha=alpha)
                 deltas += d
             self._sums.add(part.shard.group, "update", sum_of_squares(deltas))
-        runs = []  # per (group, shape): params, updates, decay factor, update scale
+        params, updates, slots = [], [], []
         for gi, rows, cols, items in bucket.by_update:
-            s = settings[gi]
-            ps, us = [local_tensor(it.param) for it in items], [views[id(it)] for it in items]
-            runs.append((ps, us, 1 - s.lr * s.weight_decay, -adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols))))
+            params += [local_tensor(it.param) for it in items]
+            updates += [views[id(it)] for it in items]
+            slots += [scalars.slots[(gi, rows, cols)]] * len(items)
         row_factors = [factors[id(it)] for *_, items in bucket.by_update for it in items] if normuon else None
-        self._passes.decay_and_update((id(bucket),), runs, row_factors)
+        self._passes.decay_and_update((id(bucket),), params, updates, scalars.passed, slots, row_factors)
         if normuon:
             vs = [local_tensor(self._second_moment(it.param)) for it in bucket.items]
             compat.foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
-
-    def _step_partition(self, part: Partition, settings: Sequence[StepSettings]) -> None:
-        """All buckets of one partition: exchange, orthogonalise and apply, pipelined."""
-        W = part.shard.world
-        pg = part.shard.group
-        buckets = part.buckets
-        if W == 1:
-            for b in buckets:
-                buf = self._prepare(part, b, settings)
-                self._orthogonalize(part, b, buf)
-                self._apply(part, b, buf, settings)
-            return
-
-        def launch_forward(b: Bucket):
-            send = self._prepare(part, b, settings)
-            recv = torch.empty(b.recv_numel, dtype=self.ns_dtype, device=part.device)
-            work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, group=pg, async_op=True)
-            self.stats["all_to_all"] += 1
-            return send, recv, work
-
-        inflight: dict[int, tuple] = {}
-        for j in range(min(self.prefetch, len(buckets))):
-            inflight[j] = launch_forward(buckets[j])
-        returning: list[tuple] = []
-        for j, b in enumerate(buckets):
-            send, recv, work = inflight.pop(j)
-            work.wait()
-            self._orthogonalize(part, b, recv)
-            # send buffer is free again (its forward exchange is complete): receive the results there
-            back = dist.all_to_all_single(send, recv, b.send_splits, b.recv_splits, group=pg, async_op=True)
-            self.stats["all_to_all"] += 1
-            returning.append((b, send, recv, back))
-            nxt = j + self.prefetch
-            if nxt < len(buckets):
-                inflight[nxt] = launch_forward(buckets[nxt])
-            # apply what came back while later buckets are still in flight
-            while len(returning) > 1:
-                rb, rsend, _, rwork = returning.pop(0)
-                rwork.wait()
-                self._apply(part, rb, rsend, settings)
-        for rb, rsend, _, rwork in returning:
-            rwork.wait()
-            self._apply(part, rb, rsend, settings)

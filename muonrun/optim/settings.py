@@ -1,6 +1,7 @@
 """Muon's per-param-group settings, read from the groups: what batches together on an owner
-(``NSSettings``, part of the exchange plan's key), what one step applies (``StepSettings``) and the
-check of the values (``check_settings``). Only ``muonrun.optim.muon`` and ``experts`` use this module."""
+(``NSSettings``, part of the exchange plan's key), what one step applies (``StepSettings``, and its
+learning-rate-dependent numbers laid out for the update pass: ``UpdateScalars``) and the check of the
+values (``check_settings``). Only Muon's modules (``muonrun.optim``) use it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from muonrun.optim.newton_schulz import (
     PRECONDITIONS,
     Coefficients,
     Scaling,
+    adjust_lr,
     resolve_ns_coefficients,
     uses_gram_form,
 )
@@ -89,3 +91,38 @@ class StepSettings:
 
 def to_float(x: float | Tensor) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+@dataclass
+class UpdateScalars:
+    """One step's decay factors ``1 - lr * weight_decay`` (one per param group) and update scales
+    ``-adjust_lr(lr, adjust_lr_fn, (rows, cols))`` (one per group and shape) in one list, with the two
+    slots of each ``(group, rows, cols)`` in it. The layout follows the keys alone, so a compiled pass
+    or a CUDA graph reads the same slots every step while a schedule changes the values."""
+
+    values: list[float]
+    slots: dict[tuple[int, int, int], tuple[int, int]]
+    on_device: Tensor | None = None
+    """The values as a float32 tensor, where the update pass is compiled or replayed from a graph."""
+
+    @property
+    def passed(self) -> Tensor | list[float]:
+        """What the update pass reads: the device tensor where there is one, else the host numbers."""
+        return self.values if self.on_device is None else self.on_device
+
+    @classmethod
+    def of(cls, keys: Sequence[tuple[int, int, int]], settings: Sequence[StepSettings]) -> UpdateScalars:
+        values: list[float] = []
+        slots: dict[tuple[int, int, int], tuple[int, int]] = {}
+        decay: dict[int, int] = {}
+        for key in keys:
+            gi, rows, cols = key
+            if key in slots:
+                continue
+            s = settings[gi]
+            if gi not in decay:
+                decay[gi] = len(values)
+                values.append(1 - s.lr * s.weight_decay)
+            slots[key] = (decay[gi], len(values))
+            values.append(-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+        return cls(values, slots)

@@ -1,0 +1,95 @@
+"""Muon's local work replayed from a CUDA graph: one launch where there were hundreds.
+
+A model small enough that the host cannot keep ahead of the GPU pays for every kernel launch in Muon's
+step, and Muon's step launches many: per bucket a momentum pass, a normalisation, five Newton–Schulz
+iterations of two or three products, NorMuon's row statistics, the update. On one H200 the optimizer
+study's 101M model spends about four times as long launching Muon's step as its kernels take
+(docs/performance.md, [w6] and [y]). Captured once in a CUDA graph, the same kernels cost one launch.
+
+What the graph holds: for the matrices a rank steps on its own (shard groups of one rank, as on one
+GPU; stacked experts at any world size) everything after the momentum pass: the normalisation,
+Newton–Schulz, NorMuon's rows, and the decay and update. A graph replays fixed addresses with fixed
+kernel arguments, so three things stay outside it:
+
+- the momentum pass, because it reads the gradients, which FSDP2 allocates anew every step
+  (``zero_grad(set_to_none=True)``); it writes into buffers the graph owns (``buffers``: one per
+  bucket or expert chunk), where the graph's work begins;
+- the step's learning-rate-dependent numbers (``settings.UpdateScalars``), copied every step into the
+  device tensor the graph reads (``scalars``);
+- matrices exchanged between ranks (``muonrun.optim.exchange``) and steps that collect telemetry:
+  they run eagerly, as without a graph.
+
+The first ``warmup_steps`` steps run the graph's part eagerly on its capture stream, as
+``torch.cuda.graph`` asks (torch.compile's passes compile, quack builds its kernels, cuBLAS makes its
+workspace there); the next is captured and replayed, and every later step replays. ``Muon`` makes a
+new graph when the matrices with gradients or their Newton–Schulz settings change, or a state dict
+is loaded. On a CPU nothing is captured: the same buffers and order run eagerly every step (the CPU
+tests step through this path).
+
+Cost: the buffers (two bytes per matrix element in bf16) and the graph's temporaries (the largest
+bucket's Newton–Schulz work space) stay allocated between steps, where without a graph the forward
+and backward reuse that memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import Tensor
+
+from muonrun import log
+
+_said: set[str] = set()
+
+
+class StepGraph:
+    """One step's local work as a CUDA graph: ``buffers`` and ``scalars`` are its inputs, filled by the
+    caller before each ``run``."""
+
+    warmup_steps = 2
+    """Eager steps on the capture stream before the capture (compiles and lazy set-up happen there)."""
+
+    def __init__(self, key: Hashable, buffers: list[Tensor], n_scalars: int) -> None:
+        self.key = key
+        self.buffers = buffers
+        device = buffers[0].device
+        self.scalars = torch.zeros(n_scalars, dtype=torch.float32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.stats: dict[str, int] = {}  # what one replay adds to Muon's counters
+        self.warm = 0
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.stream is None and device.type not in _said:
+            _said.add(device.type)
+            log.info(
+                f"Muon's cuda_graph captures on GPUs only; on {device.type} its step runs eagerly "
+                "(the same arithmetic)."
+            )
+
+    def run(self, body: Callable[[], None], stats: dict[str, int]) -> None:
+        """This step's graph part, ``body``: replayed once captured; before that run eagerly on the
+        capture stream (``warmup_steps``), then captured and replayed. ``stats``: Muon's counters,
+        which a replay advances as the captured call did."""
+        if self.graph is not None:
+            self.graph.replay()
+            for name, n in self.stats.items():
+                stats[name] += n
+            return
+        if self.stream is None:
+            body()
+            return
+        current = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(current)  # the buffers and scalars were written there
+        if self.warm < self.warmup_steps:
+            with torch.cuda.stream(self.stream):
+                body()
+            self.warm += 1
+        else:
+            before = dict(stats)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                body()
+            self.stats = {name: stats[name] - before[name] for name in stats}
+            self.graph = graph
+            graph.replay()  # capturing ran nothing: this step's work
+        current.wait_stream(self.stream)
