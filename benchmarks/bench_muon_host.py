@@ -10,17 +10,20 @@ steps of:
   GPU:    CUDA-event time of the same step when the host starts it on an idle GPU (launch-bound
           where host > GPU) and when the GPU is first kept busy, so its launches queue as they do
           after a training step's backward (the step's own GPU time);
-  graph:  the step captured once in a CUDA graph and replayed (no host launches at all).
+  graph:  the step captured once in a CUDA graph and replayed (no host launches at all);
+and the same with Muon's own ``cuda_graph=True`` (``muonrun.optim.graphed``: the momentum pass
+eager, the rest replayed), the row marked "graphed".
 A training run shows which of these it pays in `logging.profile`'s timeline.txt (the optimizer row's
 idle and lag): at the presets' sizes the host runs ahead and the step costs its GPU time; a small
 model's host-bound step pays the host time (docs/performance.md, [w5] and [y]). Capture works on
-this step as it stands (static shapes, no host syncs), but a training step would need its learning
-rates and FSDP2's gradients at fixed addresses first.
+this step as it stands (static shapes, no host syncs); in training ``cuda_graph`` leaves out what
+changes address or value between steps (the gradients, the learning rates).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -54,7 +57,7 @@ def host_and_gpu_ms(fn) -> tuple[float, float]:
     return host, start.elapsed_time(end)
 
 
-def measure(model: str, variant: str) -> dict[str, float | str]:
+def measure(model: str, variant: str, graphed: bool) -> dict[str, float | str]:
     dev = torch.device("cuda")
     shapes = [s for s, count in model_shapes(model).items() for _ in range(count)]
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -70,8 +73,9 @@ def measure(model: str, variant: str) -> dict[str, float | str]:
         fold_norm=True,
         products=QuackProducts(),
         variant=variant,
+        cuda_graph=graphed,
     )
-    for _ in range(3):  # compilation, quack's kernels, the plan
+    for _ in range(3):  # compilation, quack's kernels, the plan; graphed: warm-up and capture
         opt.step()
     torch.cuda.synchronize()
     host, gpu, queued = [], [], []
@@ -88,11 +92,14 @@ def measure(model: str, variant: str) -> dict[str, float | str]:
         queued.append(host_and_gpu_ms(opt.step)[1])
     row: dict[str, float | str] = {
         "model": model,
-        "variant": variant,
+        "variant": variant + (" graphed" if graphed else ""),
         "host_ms": statistics.median(host),
         "gpu_idle_start_ms": statistics.median(gpu),
         "gpu_queued_ms": statistics.median(queued),
     }
+    if graphed:
+        row["graph_ms"] = "-"
+        return row
     try:  # capture on a side stream after warm-up there, as torch.cuda.graphs asks
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -115,14 +122,14 @@ def main() -> None:
     ap.add_argument("--variants", default="muon,normuon")
     args = ap.parse_args()
     print(
-        f"{'model':<6} {'variant':<8} {'host ms':>8} {'GPU ms (idle start)':>20} {'GPU ms (queued)':>16} {'graph ms':>9}"
+        f"{'model':<6} {'variant':<16} {'host ms':>8} {'GPU ms (idle start)':>20} {'GPU ms (queued)':>16} {'graph ms':>9}"
     )
     for model in args.models.split(","):
-        for variant in args.variants.split(","):
-            r = measure(model, variant)
+        for variant, graphed in itertools.product(args.variants.split(","), (False, True)):
+            r = measure(model, variant, graphed)
             graph = r["graph_ms"] if isinstance(r["graph_ms"], str) else f"{r['graph_ms']:9.2f}"
             print(
-                f"{model:<6} {variant:<8} {r['host_ms']:8.2f} {r['gpu_idle_start_ms']:20.2f} "
+                f"{model:<6} {r['variant']:<16} {r['host_ms']:8.2f} {r['gpu_idle_start_ms']:20.2f} "
                 f"{r['gpu_queued_ms']:16.2f} {graph}",
                 flush=True,
             )

@@ -70,6 +70,15 @@ class MuonConfig:
     arithmetic up to where bf16 rounds; one pass fewer over Muon's largest matrices, where a rank
     holds them whole: one GPU, and stacked experts (docs/performance.md). Across several ranks the
     division already rides in the copy that reassembles each matrix."""
+    cuda_graph: bool | None = None
+    """Replay Muon's step from a CUDA graph: everything after its momentum pass, for the matrices a
+    GPU steps on its own (all of them on one GPU; stacked experts on any number), captured at the third
+    step and replayed after, one launch instead of hundreds. It pays where the host cannot keep ahead
+    of the GPU (small models; `timeline.txt` of `logging.profile` shows it: a short lag, idle inside
+    the optimizer's window); matrices exchanged between GPUs and steps that log
+    `logging.optimizer_telemetry` run eagerly. It keeps Muon's step buffers (2 bytes per matrix
+    element) and temporaries allocated between steps. The same arithmetic; figures in
+    docs/performance.md. None: on for GPUs; on CPU there is nothing to capture."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
