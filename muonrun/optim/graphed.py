@@ -87,8 +87,14 @@ class StepGraph:
         else:
             before = dict(stats)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
-                body()
+            try:  # thread_local: the data loader's pinning thread may allocate meanwhile
+                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                    body()
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"Capturing Muon's step in a CUDA graph failed ({e}). Set optimizer.muon.cuda_graph=false "
+                    "(Muon(cuda_graph=False)) to launch it kernel by kernel, and report this with the model."
+                ) from e
             self.stats = {name: stats[name] - before[name] for name in stats}
             self.graph = graph
             graph.replay()  # capturing ran nothing: this step's work
