@@ -144,3 +144,48 @@ def test_on_a_gpu_a_replayed_step_is_the_eager_step():
                 assert torch.equal(p, q), (variant, tuple(p.shape))
         else:  # eager: the plain step passes host numbers to its update, the graph a tensor
             assert_same(runs[True], runs[False], init, rtol=1e-5)
+
+
+def test_a_resume_through_dcps_state_dict_helpers_continues_as_the_plain_step():
+    """A checkpoint's way in and out (``torch.distributed.checkpoint.state_dict``, as muonrun's
+    checkpointer calls it): the graphed Muon saved after three steps, loaded into a new one (whose
+    graph the load drops) and stepped on, ends where the plain Muon does without stopping."""
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def model() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(24, 48, bias=False), nn.Linear(48, 16, bias=False))
+
+    def train(m: nn.Module, opt: Muon, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(700 + step)
+            for p in m.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.param_groups[0]["lr"] = LRS[step]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def muon(m: nn.Module, graphed: bool) -> Muon:
+        return Muon(
+            m.parameters(), lr=LRS[0], gram=True, fold_norm=True, variant="normuon", cuda_graph=graphed
+        )
+
+    init = [p.detach().clone() for p in model().parameters()]
+    plain = model()
+    train(plain, muon(plain, False), range(6))
+    first = model()
+    opt = muon(first, True)
+    train(first, opt, range(3))
+    saved = get_optimizer_state_dict(first, opt)
+    resumed = model()
+    resumed.load_state_dict(first.state_dict())
+    opt = muon(resumed, True)
+    train(resumed, opt, range(1))  # a graph made before the load, with the wrong state: dropped by it
+    resumed.load_state_dict(first.state_dict())
+    assert opt._graph is not None
+    set_optimizer_state_dict(resumed, opt, saved)
+    assert opt._graph is None
+    train(resumed, opt, range(3, 6))
+    # within fp32 rounding: the graph's update reads its scalars from a tensor, the plain one host numbers
+    assert_same(list(resumed.parameters()), list(plain.parameters()), init, rtol=1e-5)
