@@ -30,7 +30,8 @@ from muonrun.features.lora import is_adapter
 from muonrun.optim import Muon
 from muonrun.optim.groups import split_params
 
-RTOL = 0.03  # torch.optim.Muon runs Newton–Schulz in bf16: an update differs by about 1% from ours
+RTOL = 0.05  # torch.optim.Muon runs Newton–Schulz in bf16: an update differs by about 1% from ours, up to 3%
+# for tall matrices (lora_B) on CPUs whose bf16 products round torch's transposed operands apart (AVX2)
 
 
 def overrides(folder: Path) -> list[str]:
