@@ -73,12 +73,13 @@ class MuonConfig:
     cuda_graph: bool | None = None
     """Replay Muon's step from a CUDA graph: everything after its momentum pass, for the matrices a
     GPU steps on its own (all of them on one GPU; stacked experts on any number), captured at the third
-    step and replayed after, one launch instead of hundreds. It pays where the host cannot keep ahead
-    of the GPU (small models; `timeline.txt` of `logging.profile` shows it: a short lag, idle inside
-    the optimizer's window); matrices exchanged between GPUs and steps that log
-    `logging.optimizer_telemetry` run eagerly. It keeps Muon's step buffers (2 bytes per matrix
-    element) and temporaries allocated between steps. The same arithmetic; figures in
-    docs/performance.md. None: on for GPUs; on CPU there is nothing to capture."""
+    step and replayed after, one launch instead of hundreds. It pays most where the host cannot keep
+    ahead of the GPU (small models; `timeline.txt` of `logging.profile` shows it: a short lag, idle
+    inside the optimizer's window), and shortens the 0.5B preset's step on one GPU too; matrices
+    exchanged between GPUs and steps that log `logging.optimizer_telemetry` run eagerly. It keeps
+    Muon's step buffers (2 bytes per matrix element) and temporaries allocated between steps. The
+    same arithmetic, bit for bit with `fused`; figures in docs/performance.md. None: on for GPUs; on
+    CPU there is nothing to capture."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are

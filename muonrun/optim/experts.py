@@ -165,10 +165,10 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s, scalars) -> None:
     3. Weight decay and the scaled update (``scalars``: the step's ``settings.UpdateScalars``),
        NorMuon's row factors applied in it (``opt._passes`` again).
     """
-    if chunk_shape(opt, chunk)[0] == 0:  # no experts here: its (empty) state still exists for DCP, and
-        bufs = [
-            local_tensor(opt._momentum_buffer(p)) for _, p in chunk
-        ]  # its zeros join telemetry's all-reduce
+    if chunk_shape(opt, chunk)[0] == 0:
+        # No experts here. Their (empty) state still exists for DCP, and their zeros join telemetry's
+        # all-reduce.
+        bufs = [local_tensor(opt._momentum_buffer(p)) for _, p in chunk]
         if NSSettings.of(opt.param_groups[chunk[0][0]]).normuon:
             for _, p in chunk:
                 opt._second_moment(p)

@@ -22,9 +22,9 @@ the slice of a contiguous one in place.
 
 ``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
 bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
-learning-rate-dependent scalars travel as one device tensor, so a schedule that changes them every
-step compiles nothing new (``settings.UpdateScalars``). Where compiling is not possible (a CPU, or a compile that fails) it runs
-the same ops eagerly and says so once. Only ``muonrun.optim.muon`` uses this module.
+learning-rate-dependent scalars travel as one device tensor (``settings.UpdateScalars``), so a
+schedule that changes them every step compiles nothing new. Where compiling is not possible (a CPU,
+or a compile that fails) it runs the same ops eagerly and says so once. Only ``muonrun.optim.muon`` uses this module.
 """
 
 from __future__ import annotations
