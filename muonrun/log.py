@@ -50,3 +50,14 @@ def warning(message: str, *, every_rank: bool = False) -> None:
 def error(message: str, *, every_rank: bool = False) -> None:
     """A failure the user must read (the paragraph that ends a run); no WARNING label."""
     _logger.error(message, extra={"every_rank": every_rank})
+
+
+_said: set[str] = set()
+
+
+def once(key: str, message: str, *, warn: bool = False) -> None:
+    """``info`` (``warning`` with ``warn``) the first time this process says ``key``, nothing after:
+    for a fact about the machine that every step would otherwise repeat."""
+    if key not in _said:
+        _said.add(key)
+        (warning if warn else info)(message)

@@ -522,9 +522,9 @@ def test_fused_muon_on_the_cpu_runs_the_same_ops_and_says_so_once(gram, variant,
     """``fused=True`` on the CPU runs its passes as the eager foreach ops they fuse: the same results
     as without it, bit for bit (and so torch.optim.Muon's, within bf16 rounding, without the Gram
     form), and it says once per process that nothing is compiled here."""
-    from muonrun.optim import fused
+    from muonrun import log
 
-    monkeypatch.setattr(fused, "_said", set())
+    monkeypatch.setattr(log, "_said", set())
     init = make_params(16)
     runs = {name: [p.clone() for p in init] for name in ("fused", "plain", "torch")}
     kw = dict(lr=LR, weight_decay=0.1, nesterov=True)

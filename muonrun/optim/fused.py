@@ -24,7 +24,8 @@ the slice of a contiguous one in place.
 bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
 learning-rate-dependent scalars travel as one device tensor (``settings.UpdateScalars``), so a
 schedule that changes them every step compiles nothing new. Where compiling is not possible (a CPU,
-or a compile that fails) it runs the same ops eagerly and says so once. Only ``muonrun.optim.muon`` uses this module.
+or a compile that fails) it runs the same ops eagerly and says so once. Only ``muonrun.optim.muon``
+uses this module.
 """
 
 from __future__ import annotations
@@ -38,14 +39,6 @@ from torch import Tensor
 from muonrun import compat, log
 from muonrun.compat import compile_error
 from muonrun.optim.ns_scaling import multiply_
-
-_said: set[str] = set()
-
-
-def _say_once(key: str, message: str, warning: bool = False) -> None:
-    if key not in _said:
-        _said.add(key)
-        (log.warning if warning else log.info)(message)
 
 
 def momentum_into(
@@ -144,12 +137,12 @@ class Passes:
         try:
             return compiled(*args)
         except compile_error() as e:  # compiling failed before anything ran
-            _say_once(
+            log.once(
                 "compile-failed",
                 f"Muon's fused elementwise passes could not be compiled ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200]}); they run as eager foreach ops instead "
                 "(optimizer.muon.fused=false silences this).",
-                warning=True,
+                warn=True,
             )
             self.compiled = False
             return fn(*args)
@@ -205,12 +198,10 @@ def can_compile(device: torch.device) -> bool:
         try:
             import triton  # noqa: F401
         except ImportError:
-            _say_once(
-                "no-triton", "Muon's fused elementwise passes need triton to compile; they run eagerly."
-            )
+            log.once("no-triton", "Muon's fused elementwise passes need triton to compile; they run eagerly.")
             return False
         return True
-    _say_once(
+    log.once(
         f"eager-{device.type}",
         f"Muon's fused elementwise passes are compiled on GPUs only; on {device.type} they run as "
         "eager foreach ops (the same arithmetic).",

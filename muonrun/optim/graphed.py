@@ -40,8 +40,6 @@ from torch import Tensor
 
 from muonrun import log
 
-_said: set[str] = set()
-
 
 class StepGraph:
     """One step's local work as a CUDA graph: ``buffers`` and ``scalars`` are its inputs, filled by the
@@ -59,11 +57,11 @@ class StepGraph:
         self.stats: dict[str, int] = {}  # what one replay adds to Muon's counters
         self.warm = 0
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        if self.stream is None and device.type not in _said:
-            _said.add(device.type)
-            log.info(
+        if self.stream is None:
+            log.once(
+                f"graph-{device.type}",
                 f"Muon's cuda_graph captures on GPUs only; on {device.type} its step runs eagerly "
-                "(the same arithmetic)."
+                "(the same arithmetic).",
             )
 
     def run(self, body: Callable[[], None], stats: dict[str, int]) -> None:
