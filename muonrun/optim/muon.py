@@ -331,7 +331,7 @@ class Muon(torch.optim.Optimizer):
         units = local_units(self, plan, chunks)
         graph = None
         if self.cuda_graph and units and self._sums is None:  # made anew for new matrices or settings
-            key = (self._plan_key, tuple((gi, id(p)) for gi, p in stacked), len(scalars.values))
+            key = (self._plan_key, tuple((gi, id(p)) for gi, p in stacked))
             if self._graph is None or self._graph.key != key:
                 self._graph = StepGraph(key, [buffer_for(self, u) for u in units], len(scalars.values))
             graph = self._graph
