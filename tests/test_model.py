@@ -59,6 +59,9 @@ def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architectur
     assert built(architecture, attn, **hf).config._attn_implementation == attn
 
 
+WIDE = ["model.hf.hidden_size=512", "model.hf.intermediate_size=1536"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "preset, optimizer, extra",
@@ -67,6 +70,10 @@ def test_attention_that_needs_a_mask_keeps_transformers_mask_builder(architectur
         ("tiny", "muon", []),
         ("tiny", "muon", ["optimizer.muon.gram_ns=true"]),
         ("tiny", "muon", ["optimizer.muon.variant=normuon"]),  # its row factors ride in the update pass
+        # matrices of 512 and more a side: quack's products where installed; the step launched kernel by
+        # kernel, and NorMuon's step replayed from its CUDA graph
+        ("tiny", "muon", [*WIDE, "optimizer.muon.gram_ns=true", "optimizer.muon.cuda_graph=false"]),
+        ("tiny", "muon", [*WIDE, "optimizer.muon.gram_ns=true", "optimizer.muon.variant=normuon"]),
         # the MoE presets' path: grouped-GEMM experts in compiled layers, balance loss, z-loss, router
         # bias; Muon's compiled passes on the experts
         (

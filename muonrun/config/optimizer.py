@@ -75,11 +75,11 @@ class MuonConfig:
     GPU steps on its own (all of them on one GPU; stacked experts on any number), captured at the third
     step and replayed after, one launch instead of hundreds. It pays most where the host cannot keep
     ahead of the GPU (small models; `timeline.txt` of `logging.profile` shows it: a short lag, idle
-    inside the optimizer's window), and shortens the 0.5B preset's step on one GPU too; matrices
-    exchanged between GPUs and steps that log `logging.optimizer_telemetry` run eagerly. It keeps
-    Muon's step buffers (2 bytes per matrix element) and temporaries allocated between steps. The
-    same arithmetic, bit for bit with `fused`; figures in docs/performance.md. None: on for GPUs; on
-    CPU there is nothing to capture."""
+    inside the optimizer's window); at the presets' sizes the host runs ahead anyway and the graph
+    saves host time only. Matrices exchanged between GPUs and steps that log
+    `logging.optimizer_telemetry` run eagerly. It keeps Muon's step buffers (2 bytes per matrix
+    element) and temporaries allocated between steps. The same arithmetic, bit for bit with `fused`;
+    figures in docs/performance.md. None: on for GPUs; on CPU there is nothing to capture."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
