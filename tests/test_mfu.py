@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from muonrun.observe import mfu
+from muonrun import log
 from muonrun.observe.mfu import lookup_peak_tflops, matmul_precision
 
 
@@ -92,7 +92,7 @@ def test_peak_table_lookup(name, precision, expected):
 
 
 def test_unknown_device_warns_once(monkeypatch, capsys):
-    monkeypatch.setattr(mfu, "_warned_devices", set())
+    monkeypatch.setattr(log, "_said", set())
     assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
     assert lookup_peak_tflops("NVIDIA Quantum Q9", "bf16") is None
     err = capsys.readouterr().err

@@ -37,7 +37,6 @@ PEAK_TFLOPS: list[tuple[tuple[str, ...], dict[str, float]]] = [
     (("MI300X",), {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
     (("MI250X",), {"bf16": 383.0, "tf32": 95.7, "fp32": 95.7}),
 ]
-_warned_devices: set[str] = set()
 
 
 def matmul_precision(param_dtype: str, device_type: str) -> str:
@@ -54,10 +53,10 @@ def lookup_peak_tflops(device_name: str, precision: str) -> float | None:
     for pattern, peaks in PEAK_TFLOPS:
         if tokens.issuperset(pattern):
             return peaks[precision]
-    if device_name not in _warned_devices:
-        _warned_devices.add(device_name)
-        log.warning(
-            f"Unknown device '{device_name}': MFU is not reported. Set logging.peak_tflops (its dense "
-            f"{precision} TFLOP/s) to report it."
-        )
+    log.once(
+        f"unknown-device-{device_name}",
+        f"Unknown device '{device_name}': MFU is not reported. Set logging.peak_tflops (its dense "
+        f"{precision} TFLOP/s) to report it.",
+        warn=True,
+    )
     return None
