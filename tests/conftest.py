@@ -1,6 +1,7 @@
 """Shared test set-up: GPU tests are skipped without a GPU; every test runs offline; `one_thread`; process
 groups made in this process are freed before it exits."""
 
+import gc
 import os
 
 import pytest
@@ -32,6 +33,22 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one rank in this process and its 1-D mesh (`dp_shard`), as
+    `muonrun pretrain --nproc-per-node 1` makes on CPU; the group is destroyed after the test, so no
+    later test in this process (an xdist worker runs many files) finds one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    if created:
+        dist.destroy_process_group()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Tests that ran a process group in this process leave it in torch's DTensor caches: free it before
     interpreter teardown, where gloo's threads can abort pytest after every test passed."""
@@ -42,6 +59,7 @@ def pytest_sessionfinish(session, exitstatus):
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     release_process_groups()
+    gc.freeze()  # the exit frees everything at once: the final collections skip it (seconds with torch loaded)
 
 
 @pytest.fixture

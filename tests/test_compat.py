@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import muonrun
 from muonrun import compat
@@ -170,16 +169,6 @@ def test_each_foreach_kernel_computes_what_its_name_says(name):
         }[name]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, msg=lambda m: f"torch._foreach_{name}: {m}")
-
-
-@pytest.fixture
-def world_of_one():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def test_a_dtensor_local_shard_and_its_offset(world_of_one):

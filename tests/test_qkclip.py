@@ -255,20 +255,14 @@ def test_settings_that_cannot_work_are_user_errors():
     assert enabled(load_config("tiny", [])) == []
 
 
-def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys):
+def test_telemetry_in_metrics_tensorboard_and_compare(tmp_path, capsys, world_of_one):
     """Rows carry the values passed to `record` (MAX-reduced with the memory numbers), TensorBoard files
     them under attention/ and optimizer/, and `compare` adds rows for them."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from muonrun.distributed import Dist
     from muonrun.observe.metrics import Metrics, optimizer_telemetry
     from muonrun.tools.compare import compare
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
-    d = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=mesh)
+    d = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), mesh=world_of_one)
     tensorboard = importlib.util.find_spec("tensorboard") is not None
     cfg = load_config(
         "tiny",
