@@ -125,6 +125,10 @@ def test_config_docs_is_a_reference():
             "at least 1 Newton–Schulz iteration",
         ),
         (
+            ["pretrain", "tiny", "--dry-run", "optimizer.muon.ns_streams=0"],
+            "'optimizer.muon.ns_streams' is 0; it must be at least 1",
+        ),
+        (
             ["pretrain", "tiny", "--dry-run", "data.seq_len=100000"],
             "'data.seq_len' is 100000, longer than the model's max_position_embeddings of 1024",
         ),

@@ -116,9 +116,10 @@ def test_a_graph_is_made_anew_for_other_matrices_or_a_loaded_state():
 @pytest.mark.gpu
 def test_on_a_gpu_a_replayed_step_is_the_eager_step():
     """On a GPU the graph is captured after its warm-up steps and replayed: every step equal to the
-    plain step's with the passes compiled (within fp32 rounding with eager ones), the lr changing every step, a telemetry step eager in the
-    middle, for Muon and NorMuon (quack's products where installed); Muon's counters advance as if
-    each step ran."""
+    plain step's with the passes compiled (within fp32 rounding with eager ones), the lr changing every
+    step, a telemetry step eager in the middle, for Muon and NorMuon (quack's products where installed);
+    Muon's counters advance as if each step ran. Its stacks on three streams (``ns_streams``) give the
+    one-stream graph's steps bit for bit."""
     try:
         from muonrun.optim.ns_quack import QuackProducts
 
@@ -126,24 +127,31 @@ def test_on_a_gpu_a_replayed_step_is_the_eager_step():
     except ImportError:
         products = None
     init = make_params("cuda")
+    streams = {"plain": 1, "graphed": 1, "lanes": 3}
     for variant, fused in itertools.product(("muon", "normuon"), (True, False)):
-        runs = {graphed: [p.clone() for p in init] for graphed in (False, True)}
+        runs = {kind: [p.clone() for p in init] for kind in streams}
         opts = {
-            graphed: make_muon(ps, graphed, variant=variant, fused=fused, products=products)
-            for graphed, ps in runs.items()
+            kind: make_muon(
+                ps, kind != "plain", variant=variant, fused=fused, products=products, ns_streams=streams[kind]
+            )
+            for kind, ps in runs.items()
         }
         captured_at = None
         for step in range(len(LRS)):
             step_all(list(opts.values()), list(runs.values()), step, telemetry=step == 6)
-            if captured_at is None and opts[True]._graph.graph is not None:
+            if captured_at is None and opts["graphed"]._graph.graph is not None:
                 captured_at = step
         assert captured_at == StepGraph.warmup_steps, captured_at
-        assert opts[True].stats == opts[False].stats and opts[True].stats["orthogonalized"] > 0
+        assert len(opts["lanes"]._graph.lanes.streams) == 3 and opts["lanes"]._graph.graph is not None
+        assert opts["graphed"].stats == opts["plain"].stats == opts["lanes"].stats
+        assert opts["plain"].stats["orthogonalized"] > 0
+        for p, q in zip(runs["lanes"], runs["graphed"], strict=True):
+            assert torch.equal(p, q), (variant, fused, tuple(p.shape))
         if fused:  # compiled passes read the scalars from a device tensor either way: the same kernels
-            for p, q in zip(runs[True], runs[False], strict=True):
+            for p, q in zip(runs["graphed"], runs["plain"], strict=True):
                 assert torch.equal(p, q), (variant, tuple(p.shape))
         else:  # eager: the plain step passes host numbers to its update, the graph a tensor
-            assert_same(runs[True], runs[False], init, rtol=1e-5)
+            assert_same(runs["graphed"], runs["plain"], init, rtol=1e-5)
 
 
 def test_a_resume_through_dcps_state_dict_helpers_continues_as_the_plain_step():

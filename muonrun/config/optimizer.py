@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from muonrun.config.checks import not_negative
+from muonrun.config.checks import at_least, not_negative
 from muonrun.errors import UserError
 
 
@@ -80,6 +80,12 @@ class MuonConfig:
     `logging.optimizer_telemetry` run eagerly. It keeps Muon's step buffers (2 bytes per matrix
     element) and temporaries allocated between steps. The same arithmetic, bit for bit with `fused`;
     figures in docs/performance.md. None: on for GPUs; on CPU there is nothing to capture."""
+    ns_streams: int = 3
+    """CUDA streams on which `cuda_graph` runs independent Newton–Schulz stacks side by side (each
+    bucket's update after its stacks): one stack's products leave the GPU partly idle where they end,
+    and another's kernels fill that. The same kernels on the same numbers, so the same results bit for
+    bit; figures in docs/performance.md. 1: one stream. Without the graph, or on CPU, the stacks run
+    one after another."""
     ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of Newton–Schulz and of its all-to-all exchange: `auto` is bfloat16 on GPUs (torch.optim.Muon's)
     and on CPUs with native bf16 matmuls (AVX512-BF16), float32 on other CPUs, where bf16 matmuls are
@@ -115,6 +121,7 @@ class MuonConfig:
             )
         if not 0.0 <= self.beta2 < 1.0:
             raise UserError(f"Config key 'optimizer.muon.beta2' is {self.beta2}; it must be in [0, 1).")
+        at_least(1, **{"optimizer.muon.ns_streams": self.ns_streams})
 
 
 @dataclass

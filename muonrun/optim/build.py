@@ -98,6 +98,7 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         products=products_for(m.ns_products, device_type),
         fold_norm=m.ns_fold_norm,
         cuda_graph=m.cuda_graph if m.cuda_graph is not None else device_type == "cuda",
+        ns_streams=m.ns_streams,
     )
     adamw_groups = _adamw_groups(split.adamw_decay, split.adamw_no_decay, o)
     # LoRA: when only the adapters train, all that trains is Muon's (their A and B) and no AdamW is needed.

@@ -26,6 +26,12 @@ new graph when the matrices with gradients or their Newton–Schulz settings cha
 is loaded. On a CPU nothing is captured: the same buffers and order run eagerly every step (the CPU
 tests step through this path).
 
+Inside the graph the independent stacks run side by side on ``Lanes`` (``ns_streams`` CUDA streams):
+one stack's products leave much of the GPU idle where they end (the last wave of tiles, the small
+``m x m`` products of the Gram form, the start of the next dependent kernel), and another stack's
+kernels fill it (docs/performance.md). The kernels and their inputs are the ones a single stream runs,
+so the results are the same bit for bit.
+
 Cost: the buffers (two bytes per matrix element in bf16) and the graph's temporaries (the largest
 bucket's Newton–Schulz work space) stay allocated between steps, where without a graph the forward
 and backward reuse that memory.
@@ -33,7 +39,8 @@ and backward reuse that memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from torch import Tensor
@@ -48,11 +55,12 @@ class StepGraph:
     warmup_steps = 2
     """Eager steps on the capture stream before the capture (compiles and lazy set-up happen there)."""
 
-    def __init__(self, key: Hashable, buffers: list[Tensor], n_scalars: int) -> None:
+    def __init__(self, key: Hashable, buffers: list[Tensor], n_scalars: int, streams: int = 1) -> None:
         self.key = key
         self.buffers = buffers
         device = buffers[0].device
         self.scalars = torch.zeros(n_scalars, dtype=torch.float32, device=device)
+        self.lanes = Lanes(streams, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.stats: dict[str, int] = {}  # what one replay adds to Muon's counters
         self.warm = 0
@@ -97,3 +105,66 @@ class StepGraph:
             self.graph = graph
             graph.replay()  # capturing ran nothing: this step's work
         current.wait_stream(self.stream)
+
+
+class Lanes:
+    """CUDA streams on which a graph's independent work runs side by side (see the module docstring).
+
+    ``open`` starts every lane after the work queued so far on the current stream; ``lane()`` runs a
+    block on the next lane in turn; ``after()`` runs a block on the next lane once every block since
+    the previous ``after`` is done (a bucket's update after its stacks); ``close`` makes the current
+    stream wait for every lane. With fewer than two streams, or off CUDA, every block runs on the
+    current stream in order."""
+
+    def __init__(self, count: int, device: torch.device) -> None:
+        self.streams = (
+            [torch.cuda.Stream(device) for _ in range(count)] if device.type == "cuda" and count > 1 else []
+        )
+        self._turn = 0
+        self._done: list[torch.cuda.Event] = []
+
+    def _current(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.streams[0].device)
+
+    def _next(self) -> torch.cuda.Stream:
+        stream = self.streams[self._turn % len(self.streams)]
+        self._turn += 1
+        return stream
+
+    def open(self) -> None:
+        self._turn, self._done = 0, []
+        if self.streams:
+            current = self._current()
+            for stream in self.streams:
+                stream.wait_stream(current)
+
+    @contextlib.contextmanager
+    def lane(self) -> Iterator[None]:
+        if not self.streams:
+            yield
+            return
+        stream = self._next()
+        with torch.cuda.stream(stream):
+            yield
+        self._done.append(stream.record_event())
+
+    @contextlib.contextmanager
+    def after(self) -> Iterator[None]:
+        if not self.streams:
+            yield
+            return
+        stream = self._next()
+        for event in self._done:
+            stream.wait_event(event)
+        self._done = []
+        with torch.cuda.stream(stream):
+            yield
+
+    def close(self) -> None:
+        if self.streams:
+            current = self._current()
+            for stream in self.streams:
+                current.wait_stream(stream)
+
+
+NO_LANES = Lanes(1, torch.device("cpu"))  # every block on the current stream, in order

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from muonrun.distributed import local_tensor
 from muonrun.optim.experts import chunk_shape, stacked_momentum, stacked_update
+from muonrun.optim.graphed import NO_LANES, Lanes
 from muonrun.optim.settings import StepSettings, UpdateScalars
 
 Unit = tuple  # (partition, bucket) of a one-rank shard group, or (None, expert chunk)
@@ -44,14 +45,24 @@ def start(opt, unit: Unit, settings: Sequence[StepSettings], buf: Tensor | None 
     return opt._prepare(part, what, settings, buf)
 
 
-def finish(opt, unit: Unit, buf: Tensor, settings: Sequence[StepSettings], scalars: UpdateScalars) -> None:
-    """The rest of ``unit``'s step from what ``start`` wrote into ``buf``."""
+def finish(
+    opt,
+    unit: Unit,
+    buf: Tensor,
+    settings: Sequence[StepSettings],
+    scalars: UpdateScalars,
+    lanes: Lanes = NO_LANES,
+) -> None:
+    """The rest of ``unit``'s step from what ``start`` wrote into ``buf``: each stack on a lane of
+    ``lanes``, the update after them."""
     part, what = unit
     if part is None:
-        stacked_update(opt, what, buf, settings[what[0][0]], scalars)
+        with lanes.lane():
+            stacked_update(opt, what, buf, settings[what[0][0]], scalars)
     else:
-        opt._orthogonalize(part, what, buf)
-        opt._apply(part, what, buf, settings, scalars)
+        opt._orthogonalize(part, what, buf, lanes)
+        with lanes.after():
+            opt._apply(part, what, buf, settings, scalars)
 
 
 def finish_all(
@@ -60,7 +71,10 @@ def finish_all(
     bufs: Sequence[Tensor],
     settings: Sequence[StepSettings],
     scalars: UpdateScalars,
+    lanes: Lanes = NO_LANES,
 ) -> None:
-    """``finish`` of every unit in order: what ``StepGraph`` captures."""
+    """``finish`` of every unit, side by side on ``lanes``: what ``StepGraph`` captures."""
+    lanes.open()
     for unit, buf in zip(units, bufs, strict=True):
-        finish(opt, unit, buf, settings, scalars)
+        finish(opt, unit, buf, settings, scalars, lanes)
+    lanes.close()

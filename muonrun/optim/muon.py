@@ -75,7 +75,7 @@ from muonrun.distributed import local_tensor, to_device
 from muonrun.optim.exchange import step_exchanged
 from muonrun.optim.experts import check_stacked, chunk_shape, expert_chunks, expert_rows_like, step_stacked
 from muonrun.optim.fused import Passes, frobenius_divisors, with_row_factors
-from muonrun.optim.graphed import StepGraph
+from muonrun.optim.graphed import NO_LANES, Lanes, StepGraph
 from muonrun.optim.local import buffer_for, finish, finish_all, local_units, start
 from muonrun.optim.newton_schulz import (
     DEFAULT_EPS,
@@ -95,6 +95,8 @@ from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
     Entry,
+    Item,
+    Owned,
     Partition,
     build_plan,
     owner_cost,
@@ -146,6 +148,9 @@ class Muon(torch.optim.Optimizer):
     - ``cuda_graph`` (default False): what a rank steps on its own after the momentum pass replayed
       from a CUDA graph (``muonrun.optim.graphed``): one launch instead of hundreds, for models whose
       host cannot keep ahead of the GPU; eager on a CPU;
+    - ``ns_streams`` (default 1): CUDA streams on which the graph runs its independent Newton–Schulz
+      stacks, and each bucket's update after its stacks, side by side (``graphed.Lanes``): the
+      same results, the GPU's idle ends of one stack's products filled by another's;
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -195,6 +200,7 @@ class Muon(torch.optim.Optimizer):
         products: Products | None = None,
         fold_norm: bool = False,
         cuda_graph: bool = False,
+        ns_streams: int = 1,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -206,6 +212,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
         if bucket_numel < 1:
             raise ValueError("bucket_numel must be >= 1")
+        if ns_streams < 1:
+            raise ValueError("ns_streams must be >= 1")
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype}")
         defaults = {
@@ -231,6 +239,7 @@ class Muon(torch.optim.Optimizer):
         self.products = products
         self.fold_norm = bool(fold_norm and gram)  # only the Gram form reads the norm off its products
         self.cuda_graph = bool(cuda_graph)
+        self.ns_streams = int(ns_streams)
         self._graph: StepGraph | None = None
         self.register_load_state_dict_post_hook(Muon._drop_graph)  # new state tensors: new addresses
         self._passes = Passes(compiled=False)
@@ -333,7 +342,8 @@ class Muon(torch.optim.Optimizer):
         if self.cuda_graph and units and self._sums is None:  # made anew for new matrices or settings
             key = (self._plan_key, tuple((gi, id(p)) for gi, p in stacked))
             if self._graph is None or self._graph.key != key:
-                self._graph = StepGraph(key, [buffer_for(self, u) for u in units], len(scalars.values))
+                buffers = [buffer_for(self, u) for u in units]
+                self._graph = StepGraph(key, buffers, len(scalars.values), self.ns_streams)
             graph = self._graph
         if graph is not None:
             graph.scalars.copy_(to_device(scalars.values, device))
@@ -352,7 +362,9 @@ class Muon(torch.optim.Optimizer):
         else:
             for unit, buf in zip(units, graph.buffers, strict=True):
                 start(self, unit, settings, buf)
-            graph.run(lambda: finish_all(self, units, graph.buffers, settings, scalars), self.stats)
+            graph.run(
+                lambda: finish_all(self, units, graph.buffers, settings, scalars, graph.lanes), self.stats
+            )
         if self._sums is not None:
             total, self._sums = self._sums.total(), None
             numel = sum(it.rows * it.cols for part in plan for b in part.buckets for it in b.items)
@@ -414,49 +426,57 @@ class Muon(torch.optim.Optimizer):
         products = None if self.products is None else [self.products] * len(per_step)
         return ns_iterations(X, per_step, gram=self.gram, products=products, **kw)
 
-    def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor) -> None:
+    def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor, lanes: Lanes = NO_LANES) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz
         (NorMuon: and its normalisation), write the results back into ``recv`` in the same (padded,
-        per-destination) layout."""
+        per-destination) layout. Each stack runs on a lane of ``lanes`` (``graphed.Lanes``; the CUDA
+        graph's streams on one GPU)."""
         W = part.shard.world
-        ns: NSSettings = part.ns  # type: ignore[assignment]
         grid = recv.view(W, bucket.per_source)
         sample = part.buckets[0].items[0] if self._sums is not None and part is self._plan[0] else None
         for own in bucket.owned:
-            k, R, C, c = own.count, own.rows, own.cols, own.chunk
-            run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
-            slabs = run[..., : c * C].view(W, k, c, C)
-            # Frobenius: a pass of its own (padding rows are zero, so the norm over whole slabs is the
-            # matrix's; compiled where fused) or, held whole, folded (``fold_norm``); AOL: folded
-            if W == 1:  # the buffer is ours: normalised in place, the result written back into it
-                X = slabs[0]
-                scaling = ns.scaling(self._passes.scale, X.shape if self.fold_norm else None)
-                if scaling is None:
-                    self._passes.normalize(run[0], c, C, ns.norm_scale, ns.eps)
-                out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
+            with lanes.lane():  # independent stacks: side by side on the graph's CUDA streams
+                self._orthogonalize_stack(part, own, grid, sample)
+
+    def _orthogonalize_stack(self, part: Partition, own: Owned, grid: Tensor, sample: Item | None) -> None:
+        """One stack of same-shape matrices of ``_orthogonalize``, ``grid`` its ``recv`` as
+        ``[world, per_source]``."""
+        W = part.shard.world
+        ns: NSSettings = part.ns  # type: ignore[assignment]
+        k, R, C, c = own.count, own.rows, own.cols, own.chunk
+        run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
+        slabs = run[..., : c * C].view(W, k, c, C)
+        # Frobenius: a pass of its own (padding rows are zero, so the norm over whole slabs is the
+        # matrix's; compiled where fused) or, held whole, folded (``fold_norm``); AOL: folded
+        if W == 1:  # the buffer is ours: normalised in place, the result written back into it
+            X = slabs[0]
+            scaling = ns.scaling(self._passes.scale, X.shape if self.fold_norm else None)
+            if scaling is None:
+                self._passes.normalize(run[0], c, C, ns.norm_scale, ns.eps)
+            out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
+        else:
+            full = torch.empty(k, W * c, C, dtype=grid.dtype, device=grid.device)
+            scaling = ns.scaling(self._passes.scale)
+            if scaling is None:  # reassembled and normalised in one pass
+                norm = frobenius_divisors(slabs, (0, 2, 3), ns.norm_scale, ns.eps).view(k, 1, 1, 1)
+                torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))
             else:
-                full = torch.empty(k, W * c, C, dtype=recv.dtype, device=recv.device)
-                scaling = ns.scaling(self._passes.scale)
-                if scaling is None:  # reassembled and normalised in one pass
-                    norm = frobenius_divisors(slabs, (0, 2, 3), ns.norm_scale, ns.eps).view(k, 1, 1, 1)
-                    torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))
-                else:
-                    full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
-                X = full[:, :R]
-                out = self._newton_schulz(X, ns.per_step, scaling=scaling)
-            if own.first is sample:  # reported by its owner, summed with the others' zeros
-                self._sums.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
-            if ns.normuon:
-                states = run[..., own.state_at : own.state_at + c * own.first.row_state]
-                states = states.view(torch.float32).view(W, k, 2, c)  # v, then the factor, of every row
-                v = states[:, :, 0].transpose(0, 1).reshape(k, W * c)[:, :R]
-                factor, v = normuon_row_scale(out, v, *ns.normuon)
-                scatter_rows(states[:, :, 0], v, c)
-                scatter_rows(states[:, :, 1], factor, c)  # applied with the update (``_apply``)
-            if W > 1:
-                scatter_rows(slabs, out, c)
-            self.stats["orthogonalized"] += k
-            self.stats["gram"] += k * (self.gram and uses_gram_form(X.shape, len(ns.per_step)))
+                full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
+            X = full[:, :R]
+            out = self._newton_schulz(X, ns.per_step, scaling=scaling)
+        if own.first is sample:  # reported by its owner, summed with the others' zeros
+            self._sums.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
+        if ns.normuon:
+            states = run[..., own.state_at : own.state_at + c * own.first.row_state]
+            states = states.view(torch.float32).view(W, k, 2, c)  # v, then the factor, of every row
+            v = states[:, :, 0].transpose(0, 1).reshape(k, W * c)[:, :R]
+            factor, v = normuon_row_scale(out, v, *ns.normuon)
+            scatter_rows(states[:, :, 0], v, c)
+            scatter_rows(states[:, :, 1], factor, c)  # applied with the update (``_apply``)
+        if W > 1:
+            scatter_rows(slabs, out, c)
+        self.stats["orthogonalized"] += k
+        self.stats["gram"] += k * (self.gram and uses_gram_form(X.shape, len(ns.per_step)))
 
     def _apply(
         self,
