@@ -74,7 +74,7 @@ from muonrun import compat
 from muonrun.distributed import local_tensor, to_device
 from muonrun.optim.exchange import step_exchanged
 from muonrun.optim.experts import check_stacked, chunk_shape, expert_chunks, expert_rows_like, step_stacked
-from muonrun.optim.fused import Passes, frobenius_divisors, with_row_factors
+from muonrun.optim.fused import Passes, with_row_factors
 from muonrun.optim.graphed import NO_LANES, Lanes, StepGraph
 from muonrun.optim.local import buffer_for, finish, finish_all, local_units, start
 from muonrun.optim.newton_schulz import (
@@ -84,24 +84,19 @@ from muonrun.optim.newton_schulz import (
     Coefficients,
     NSCoefficients,
     adjust_lr,
-    normuon_row_scale,
     ns_iterations,
-    orthogonality_residual,
-    uses_gram_form,
 )
 from muonrun.optim.ns_products import Products
+from muonrun.optim.owner import orthogonalize_stack
 from muonrun.optim.settings import NSSettings, StepSettings, UpdateScalars, check_settings, to_float
 from muonrun.optim.sharding import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
     Entry,
-    Item,
-    Owned,
     Partition,
     build_plan,
     owner_cost,
     rows_like,
-    scatter_rows,
     shard_info,
 )
 from muonrun.optim.telemetry import Sums, sum_of_squares
@@ -436,47 +431,7 @@ class Muon(torch.optim.Optimizer):
         sample = part.buckets[0].items[0] if self._sums is not None and part is self._plan[0] else None
         for own in bucket.owned:
             with lanes.lane():  # independent stacks: side by side on the graph's CUDA streams
-                self._orthogonalize_stack(part, own, grid, sample)
-
-    def _orthogonalize_stack(self, part: Partition, own: Owned, grid: Tensor, sample: Item | None) -> None:
-        """One stack of same-shape matrices of ``_orthogonalize``, ``grid`` its ``recv`` as
-        ``[world, per_source]``."""
-        W = part.shard.world
-        ns: NSSettings = part.ns  # type: ignore[assignment]
-        k, R, C, c = own.count, own.rows, own.cols, own.chunk
-        run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
-        slabs = run[..., : c * C].view(W, k, c, C)
-        # Frobenius: a pass of its own (padding rows are zero, so the norm over whole slabs is the
-        # matrix's; compiled where fused) or, held whole, folded (``fold_norm``); AOL: folded
-        if W == 1:  # the buffer is ours: normalised in place, the result written back into it
-            X = slabs[0]
-            scaling = ns.scaling(self._passes.scale, X.shape if self.fold_norm else None)
-            if scaling is None:
-                self._passes.normalize(run[0], c, C, ns.norm_scale, ns.eps)
-            out = self._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
-        else:
-            full = torch.empty(k, W * c, C, dtype=grid.dtype, device=grid.device)
-            scaling = ns.scaling(self._passes.scale)
-            if scaling is None:  # reassembled and normalised in one pass
-                norm = frobenius_divisors(slabs, (0, 2, 3), ns.norm_scale, ns.eps).view(k, 1, 1, 1)
-                torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))
-            else:
-                full.view(k, W, c, C).copy_(slabs.transpose(0, 1))
-            X = full[:, :R]
-            out = self._newton_schulz(X, ns.per_step, scaling=scaling)
-        if own.first is sample:  # reported by its owner, summed with the others' zeros
-            self._sums.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
-        if ns.normuon:
-            states = run[..., own.state_at : own.state_at + c * own.first.row_state]
-            states = states.view(torch.float32).view(W, k, 2, c)  # v, then the factor, of every row
-            v = states[:, :, 0].transpose(0, 1).reshape(k, W * c)[:, :R]
-            factor, v = normuon_row_scale(out, v, *ns.normuon)
-            scatter_rows(states[:, :, 0], v, c)
-            scatter_rows(states[:, :, 1], factor, c)  # applied with the update (``_apply``)
-        if W > 1:
-            scatter_rows(slabs, out, c)
-        self.stats["orthogonalized"] += k
-        self.stats["gram"] += k * (self.gram and uses_gram_form(X.shape, len(ns.per_step)))
+                orthogonalize_stack(self, part, own, grid, sample)
 
     def _apply(
         self,
