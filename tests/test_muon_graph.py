@@ -64,8 +64,9 @@ def test_the_graphs_path_on_the_cpu_steps_as_the_plain_step(variant):
     init = make_params()
     for traced in (False, True):
         runs = {graphed: [p.clone() for p in init] for graphed in (False, True)}
-        opts = {
-            graphed: make_muon(ps, graphed, variant=variant, fused=traced) for graphed, ps in runs.items()
+        opts = {  # the graphed one as GPU runs build it, on 3 streams: on a CPU it has none
+            graphed: make_muon(ps, graphed, variant=variant, fused=traced, ns_streams=3 if graphed else 1)
+            for graphed, ps in runs.items()
         }
         if traced:
             for opt in opts.values():
@@ -77,6 +78,7 @@ def test_the_graphs_path_on_the_cpu_steps_as_the_plain_step(variant):
         assert opts[False]._graph is None
         assert graphs[0] is not None and all(g is graphs[0] for g in graphs), "one graph for every step"
         assert len(graphs[0].buffers) == 2  # one bucket of the dense matrices, one chunk of experts
+        assert graphs[0].lanes.streams == []
         assert opts[True].stats == opts[False].stats
         assert (
             opts[True].telemetry.keys()
