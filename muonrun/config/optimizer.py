@@ -26,7 +26,10 @@ class MuonConfig:
     """`default` (3.4445, -4.7750, 2.0315) every iteration; `polar_express` (per-iteration
     coefficients, arXiv:2505.16932: about half the default's distance to the polar factor at 5
     iterations); or `turbo`, Turbo-Muon's 4-iteration table for `ns_precondition=aol` with
-    `ns_steps=4` (arXiv:2512.04632). A table shorter than `ns_steps` repeats its last row."""
+    `ns_steps=4` (arXiv:2512.04632). A table shorter than `ns_steps` repeats its last row.
+    `polar_express` with `ns_steps=4` is the one-GPU speed option: one iteration fewer, and in a
+    training check (1.5B and the optimizer study, docs/performance.md [v10]) it trained as the default
+    iteration does; the default stays torch.optim.Muon's iteration."""
     gram_ns: bool = False
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
     restart: the same iteration in exact arithmetic, about 40% fewer FLOPs on MLP-shaped matrices, as
