@@ -916,6 +916,33 @@ def test_normuon_matches_the_paper(adjust_lr_fn, nesterov, weight_decay, ns_dtyp
         torch.testing.assert_close(v, ref_opt.state[q]["second_moment"], rtol=RTOL, atol=0)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_normuon_leaves_a_matrix_with_zero_momentum_where_muon_does(fused):
+    """A matrix whose gradient and momentum are exactly zero (LoRA's A while its B is still zero, an
+    expert that got no tokens) has zero rows after Newton–Schulz: NorMuon's update of it is zero, as
+    torch.optim.Muon's is, and only weight decay moves it; its row factors must not overflow to inf
+    (inf times the zero rows was NaN from min(m, n) >= 12 on). The other matrix trains as usual."""
+    from muonrun.optim.newton_schulz import normuon_row_scale
+
+    shapes = [(16, 64), (64, 16)]
+    init = make_params(5, shapes)
+    ours, ref = [p.clone() for p in init], [p.clone() for p in init]
+    opt = Muon(ours, lr=LR, weight_decay=0.1, variant="normuon", fused=fused)
+    ref_opt = torch_muon.Muon(ref, lr=LR, weight_decay=0.1)
+    for step in range(3):
+        for params in (ours, ref):
+            params[0].grad = torch.zeros(shapes[0])
+            params[1].grad = torch.randn(shapes[1], generator=torch.Generator().manual_seed(step))
+        opt.step()
+        ref_opt.step()
+    assert all(torch.isfinite(p).all() for p in ours)
+    torch.testing.assert_close(ours[0], ref[0])  # decay only: (1 - lr * wd)^3 * init
+    torch.testing.assert_close(ours[0], init[0] * (1 - LR * 0.1) ** 3)
+    assert not torch.allclose(ours[1], init[1] * (1 - LR * 0.1) ** 3)
+    f, v = normuon_row_scale(torch.zeros(2, 16, 64), torch.zeros(2, 16), 0.95, 1e-8)
+    assert torch.count_nonzero(f) == 0 and torch.count_nonzero(v) == 0
+
+
 def test_normuon_equalizes_rows_and_keeps_an_orthogonal_matrix_norm():
     """From zero second moments one step divides every row by its own RMS: all rows of the update
     have the same norm, and the whole has the Frobenius norm sqrt(min(m, n)) of an orthogonal one."""

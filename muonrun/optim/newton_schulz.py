@@ -367,8 +367,8 @@ def normuon_normalize(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[T
     v = torch.lerp(v, X.square().mean(dim=-1), 1 - beta2)
     hat = X / (v.sqrt() + eps).unsqueeze(-1)
     m, n = X.shape[-2:]
-    norm = torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True).clamp_(min=1e-30)
-    return hat.mul_(math.sqrt(min(m, n)) / norm), v
+    norm = torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True)
+    return hat.mul_(_orthogonal_norm_over(norm, m, n)), v
 
 
 def normuon_row_scale(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
@@ -384,8 +384,16 @@ def normuon_row_scale(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[T
     q = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
     v = torch.lerp(v, q / n, 1 - beta2)
     r = (v.sqrt() + eps).reciprocal_()
-    norm = (q * r.square()).sum(-1, keepdim=True).sqrt_().clamp_(min=1e-30)
-    return r.mul_(math.sqrt(min(m, n)) / norm), v
+    norm = (q * r.square()).sum(-1, keepdim=True).sqrt_()
+    return r.mul_(_orthogonal_norm_over(norm, m, n)), v
+
+
+def _orthogonal_norm_over(norm: Tensor, m: int, n: int) -> Tensor:
+    """``sqrt(min(m, n)) / norm``, and 0 where ``norm`` is 0. A matrix whose momentum is exactly zero
+    (LoRA's A until its B moves, an expert that got no tokens for long) has all rows zero; its rows'
+    factors are then ``1 / eps``, and dividing by a clamped zero norm overflows fp32 to inf, which times
+    the zero rows is NaN. A zero factor keeps its update zero, as torch.optim.Muon's is."""
+    return torch.where(norm > 0, math.sqrt(min(m, n)) / norm.clamp(min=1e-30), 0.0)
 
 
 def orthogonality_residual(X: Tensor) -> Tensor:
