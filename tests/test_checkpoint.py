@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import NORMUON, STEPS, assert_same_losses, losses, ok, pretrain, steps_of, tree
+from helpers import NORMUON, STEPS, assert_same_losses, losses, muonrun, ok, pretrain, steps_of, tree
 from typer.testing import CliRunner
 
 from muonrun import faults
@@ -247,18 +247,26 @@ def test_nan_stops_before_the_update_and_keeps_the_checkpoint(adamw_ref, tmp_pat
     out = tmp_path / "run"
     shutil.copytree(adamw_ref, out)
     before = tree(out / "checkpoints")
-    # NaN on rank 1 only. Not restarted: a restart would resume exactly and meet it again (the fault
-    # fires in the first attempt only, so a restart would pass here and exit 0).
-    result = pretrain(out, "train.max_steps=12", fault="nan@10:r1", extra=("--max-restarts", "1"))
+    # NaN on rank 1 only, the step after an async save (step 9's, possibly still being written when
+    # step 10's NaN is agreed: it is of a finite step, so it is published, not left as .tmp). Not
+    # restarted: a restart would resume exactly and meet it again (the fault fires in the first
+    # attempt only, so a restart would pass here and exit 0).
+    async_at_9 = ("checkpoint.async_save=true", "checkpoint.interval=9")
+    result = pretrain(
+        out, "train.max_steps=12", *async_at_9, fault="nan@10:r1", extra=("--max-restarts", "1")
+    )
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-3000:]
     assert "restarting" not in result.stderr
     # one report, the same on both ranks, naming the rank and the checkpoint a rerun resumes from
     assert result.stderr.count("not finite at step 10") == 1, result.stderr
     assert "loss not finite on rank 1 (the lowest such rank)" in result.stderr
     assert (
-        "nothing from that step on was saved" in result.stderr and "step-8, which is intact" in result.stderr
+        "nothing from that step on was saved" in result.stderr and "step-9, which is intact" in result.stderr
     )
-    assert tree(out / "checkpoints") == before  # the last good checkpoint, untouched
+    after = tree(out / "checkpoints")
+    assert {k: v for k, v in after.items() if k.startswith("step-8")} == before  # untouched
+    assert steps_of(out) == [8, 9] and not list((out / "checkpoints").glob("*.tmp"))
+    assert muonrun("checkpoint", "verify", str(out / "checkpoints" / "step-9")).returncode == 0
     # The agreement is read one step late: step 10's row (its loss is the ranks' mean, NaN) is the last.
     assert max(losses(out)) == 10 and math.isnan(losses(out)[10][-1])
 

@@ -232,6 +232,9 @@ class Trainer:
         if agreed is None:
             return
         if agreed.loss_bad or agreed.norm_bad:
+            # An async save still being written is of an earlier step, checked finite before it was
+            # saved: publish it (every rank is here, at the same step) rather than leave it as .tmp.
+            self.checkpointer.finish()
             latest = self.checkpointer.published_step
             raise NonFiniteError(non_finite_message(agreed, self.dist.world_size, latest))
         self.checkpointer.agree(agreed.stop, agreed.writing)
