@@ -27,6 +27,7 @@ from muonrun.checkpoint import (
     load_model_tensors,
     published_checkpoints,
     rank_state_file,
+    read_meta,
     resolve_checkpoint,
     verify,
 )
@@ -284,6 +285,37 @@ def test_the_launcher_exits_by_what_workers_reported_not_by_their_exit_status(tm
     (tmp_path / f"exit{USER_ERROR_EXIT}-rank1.txt").write_text("data.path 'x' does not exist.")
     assert report_worker_errors(tmp_path) == USER_ERROR_EXIT
     assert capsys.readouterr().err.count("muonrun: ") == 2
+
+
+def test_a_checkpoint_records_its_architecture_resume_refuses_another_and_export_rebuilds_it(adamw_ref):
+    """Every checkpoint's manifest records the resolved transformers config (`architecture_of`). A
+    config that resolves differently under the same settings (model.name_or_path's config.json edited,
+    other transformers defaults) is refused at resume; checkpoint.init_from refuses another layout but
+    may reach further positions; export rebuilds the trained architecture and says which keys differ."""
+    from dataclasses import replace
+
+    from muonrun.checkpoint.resume import check_architecture
+    from muonrun.model.build import architecture_of, build_hf_config
+    from muonrun.tools.export import as_trained, read_run_config
+
+    step = adamw_ref / "checkpoints" / f"step-{STEPS}"
+    model = read_run_config(step).model
+    saved = read_meta(step)["architecture"]
+    assert saved == architecture_of(build_hf_config(model)) and saved["num_hidden_layers"] == 4
+    edited = build_hf_config(replace(model, hf={**model.hf, "hidden_act": "gelu", "rms_norm_eps": 0.1}))
+    with pytest.raises(UserError, match=r"hidden_act: 'silu' -> 'gelu'; rms_norm_eps: 1e-06 -> 0.1"):
+        check_architecture(step, architecture_of(edited), "resume")
+    rebuilt, differing = as_trained(edited, step)
+    assert differing == ["hidden_act", "rms_norm_eps"] and architecture_of(rebuilt) == saved
+    assert as_trained(build_hf_config(model), step)[1] == []
+    with pytest.raises(UserError, match="num_hidden_layers: 4 -> 3.*checkpoint.init_from"):
+        check_architecture(step, {**saved, "num_hidden_layers": 3}, "init")
+    further = {**saved, "max_position_embeddings": 4 * saved["max_position_embeddings"]}
+    check_architecture(step, further, "init")  # a warm start may reach further positions
+    with pytest.raises(UserError, match="max_position_embeddings"):
+        check_architecture(step, further, "resume")
+    check_architecture(step, {**saved, "a_key_of_another_transformers": 1}, "resume")  # shared keys only
+    check_architecture(step, None, "resume")  # nothing recorded on one side: nothing to compare
 
 
 @pytest.mark.slow

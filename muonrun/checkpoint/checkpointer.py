@@ -52,6 +52,7 @@ from muonrun.checkpoint.files import (
 )
 from muonrun.checkpoint.resume import (
     changed_settings,
+    check_architecture,
     check_identity,
     check_settings,
     resume_key,
@@ -103,7 +104,9 @@ class Checkpointer:
     the saved states only make sense on top of: written into every checkpoint, and a checkpoint whose
     fingerprints differ is refused at load. `config_yaml` (the run's resolved config) is saved into every
     checkpoint as config.yaml, covered by the manifest: the copy export reads, and what a checkpoint
-    that does not fit this run is compared with to name the settings that changed."""
+    that does not fit this run is compared with to name the settings that changed. `architecture`
+    (`model.build.architecture_of`, the resolved transformers config) goes into the manifest: resume and
+    init_from refuse another one, and export rebuilds the model from it."""
 
     def __init__(
         self,
@@ -114,9 +117,11 @@ class Checkpointer:
         rank_states: dict,
         identity: dict[str, dict] | None = None,
         config_yaml: str | None = None,
+        architecture: dict | None = None,
     ):
         self.cfg, self.root, self.dist = cfg, root, d
         self.config_yaml = config_yaml
+        self.architecture = architecture
         self.identity = identity or {}
         self.states, self.rank_states = states, rank_states
         self.flag = StopFlag()
@@ -274,6 +279,8 @@ class Checkpointer:
             }
             if self.identity:
                 meta["identity"] = self.identity
+            if self.architecture:
+                meta["architecture"] = self.architecture
             if self._started_from:
                 meta["started_from"] = self._started_from
             write_synced(tmp / META, json.dumps(seal(meta), indent=1).encode())
@@ -402,6 +409,7 @@ class Checkpointer:
             return None
         kind, path = choice
         check_identity(path, self.identity)
+        check_architecture(path, self.architecture, kind)
         if kind == "init":
             self._dcp_load({"model": self.states["model"]}, path)
             if self.dist.is_main:

@@ -70,6 +70,49 @@ def set_aside_later_steps(root: Path, start: Path, step: int) -> None:
         fsync_dir(root)
 
 
+# Architecture keys (`model.build.architecture_of`) a warm start (`checkpoint.init_from`) may change: how
+# far positions reach, dropout and the router's loss; the same tensors, read the same way.
+INIT_MAY_CHANGE = (
+    "attention_dropout",
+    "layer_types",
+    "max_position_embeddings",
+    "max_window_layers",
+    "output_router_logits",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "router_aux_loss_coef",
+    "sliding_window",
+    "use_sliding_window",
+)
+
+
+def check_architecture(path: Path, architecture: dict | None, kind: str) -> None:
+    """Refuse a checkpoint trained on another architecture than the transformers config this run
+    resolves (`kind`: "resume", or "init" for `checkpoint.init_from`, which may change `INIT_MAY_CHANGE`).
+    It catches what config.yaml cannot: `model.name_or_path`'s config.json or transformers' defaults
+    changing under the same settings. Keys only one side has (another transformers version) are not
+    compared; checkpoints saved before the architecture was recorded have nothing to compare."""
+    saved = read_meta(path).get("architecture")
+    if not saved or not architecture:
+        return
+    changed = [
+        f"{k}: {saved[k]!r} -> {architecture[k]!r}"
+        for k in sorted(saved.keys() & architecture.keys())
+        if saved[k] != architecture[k] and not (kind == "init" and k in INIT_MAY_CHANGE)
+    ]
+    if not changed:
+        return
+    what = "loads weights only into the same model" if kind == "init" else "resumes the model it trained"
+    raise UserError(
+        f"Checkpoint '{path}' was trained on another model than this run builds: its transformers config "
+        f"differs (saved -> now): {_listed(changed)}. That comes from model.name_or_path's config.json, "
+        f"transformers' defaults or model.hf; a run {'(checkpoint.init_from) ' if kind == 'init' else ''}{what}. "
+        "Restore that config.json, set the keys back under model.hf (e.g. model.hf.KEY=SAVED), or start a new "
+        "output_dir without the checkpoint."
+    )
+
+
 def check_identity(path: Path, identity: dict[str, dict]) -> None:
     """Refuse a checkpoint saved on top of something else than this run (another base model)."""
     saved = read_meta(path).get("identity", {})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,25 @@ def build_hf_config(m: ModelConfig, vocab_size: int | None = None):
             f"model.hf.vocab_size to at least {vocab_size}."
         )
     return hf
+
+
+# Config keys that do not change what the weights compute: bookkeeping, generation and output options.
+NOT_ARCHITECTURE = frozenset(
+    {
+        "_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache",
+        "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
+        "chunk_size_feed_forward", "is_encoder_decoder", "bos_token_id", "eos_token_id", "pad_token_id",
+        "initializer_range", "_attn_implementation", "attn_implementation", "_commit_hash",
+    }
+)  # fmt: skip
+
+
+def architecture_of(hf_config) -> dict:
+    """The resolved transformers config as JSON values, less `NOT_ARCHITECTURE`: what every checkpoint
+    records, so that resume and `checkpoint.init_from` refuse another model and export rebuilds the one
+    trained even when `model.name_or_path`'s config.json (or transformers' defaults) changed since."""
+    values = json.loads(hf_config.to_json_string(use_diff=False))
+    return {k: v for k, v in values.items() if k not in NOT_ARCHITECTURE}
 
 
 def fit_layer_types(hf, extra: dict, source: str) -> None:

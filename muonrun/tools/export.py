@@ -149,6 +149,19 @@ def export_hf(
     return out
 
 
+def as_trained(hf_config, checkpoint: Path):
+    """`hf_config` (built from the run's settings today) with the architecture the checkpoint recorded
+    (`model.build.architecture_of`) on top, and the keys that differed: an export describes the model
+    the weights were trained as, even if `model.name_or_path`'s config.json or transformers' defaults
+    changed since. Checkpoints saved before the architecture was recorded keep today's."""
+    saved = read_meta(checkpoint).get("architecture") or {}
+    now = hf_config.to_dict()
+    rebuilt = sorted(k for k in saved.keys() & now.keys() if saved[k] != json.loads(json.dumps(now[k])))
+    if not rebuilt:
+        return hf_config, []
+    return type(hf_config).from_dict({**now, **{k: saved[k] for k in rebuilt}}), rebuilt
+
+
 def _export(checkpoint: Path, out: Path, dtype: str, adapter_only: bool, shown_as: Path) -> None:
     """`export_hf`'s work, into `out` (its staging folder); `shown_as`: the path the README names."""
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -161,7 +174,7 @@ def _export(checkpoint: Path, out: Path, dtype: str, adapter_only: bool, shown_a
         raise UserError(f"Export dtype '{dtype}' is not one of float32, bfloat16, float16.")
     cfg = read_run_config(checkpoint)
     tok = build_tokenizer(cfg.data.tokenizer)
-    hf_config = build_hf_config(cfg.model, tok.vocab_size)
+    hf_config, rebuilt = as_trained(build_hf_config(cfg.model, tok.vocab_size), checkpoint)
     byte = cfg.data.tokenizer == "byte"
     job = ExportJob(
         cfg,
@@ -176,6 +189,11 @@ def _export(checkpoint: Path, out: Path, dtype: str, adapter_only: bool, shown_a
         tokenizer_note=BYTE_TOKENIZER_NOTE if byte else f"Tokenizer: `{cfg.data.tokenizer}`.",
         options={"adapter_only": adapter_only} if adapter_only else {},
     )
+    if rebuilt:
+        job.notes.append(
+            f"Its config is the one it was trained with: `{cfg.model.name_or_path or cfg.model.architecture}` "
+            f"now resolves to another ({', '.join(rebuilt)} differ)."
+        )
     for feature in enabled(cfg):
         result = feature.export(job)
         if isinstance(result, Path):

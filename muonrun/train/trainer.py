@@ -19,7 +19,7 @@ from muonrun.config import Config, to_yaml
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
 from muonrun.features import enabled, flops_per_token
-from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
+from muonrun.model.build import CausalLMWithLoss, architecture_of, build_hf_config, build_model, init_weights
 from muonrun.model.build import flops_per_token as model_flops_per_token
 from muonrun.model.hf import load_pretrained
 from muonrun.model.moe import router_aux_loss_coef
@@ -142,6 +142,7 @@ class Trainer:
             rank_states={"loader": self.loader, "rng": RNGState(self.dist.device)},
             identity={k: v for f in self.features for k, v in f.identity(self.dist).items()},
             config_yaml=config_yaml,
+            architecture=architecture_of(self.hf_config),
         )
         try:
             if frozen:
