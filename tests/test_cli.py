@@ -132,6 +132,20 @@ def test_config_docs_is_a_reference():
             ["pretrain", "tiny", "--dry-run", "data.seq_len=100000"],
             "'data.seq_len' is 100000, longer than the model's max_position_embeddings of 1024",
         ),
+        (  # checked in the config, not with the files (which a cached source skips)
+            ["pretrain", "tiny", "--dry-run", "data.sources.0.weight=-1"],
+            "'data.sources.0.weight' is -1.0; mixture weights must be positive",
+        ),
+        (
+            [
+                "pretrain",
+                "tiny",
+                "--dry-run",
+                "optimizer.name=muon",
+                'optimizer.muon.muon_patterns=["*norm*"]',
+            ],
+            "optimizer.muon.muon_patterns ['*norm*'] matches model.layers.0.input_layernorm.weight, of shape (128,)",
+        ),
     ],
 )
 def test_user_errors_exit_2_without_traceback(args, message):
@@ -260,6 +274,16 @@ def test_cuda_settings_on_a_machine_without_cuda_exit_2_before_any_worker_starts
     result = runner.invoke(app, ["pretrain", "tiny", override, f"output_dir={tmp_path / 'run'}"])
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and all(n in text for n in names), result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_muon_patterns_that_cannot_split_the_model_exit_2_before_any_worker_starts(tmp_path):
+    both = ['optimizer.muon.muon_patterns=["*q_proj*"]', 'optimizer.muon.adamw_patterns=["*q_proj*"]']
+    result = runner.invoke(
+        app, ["pretrain", "tiny", "optimizer.name=muon", *both, f"output_dir={tmp_path / 'run'}"]
+    )
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "matches both optimizer.muon.muon_patterns and" in text, result.output
     assert "Traceback" not in result.output and not (tmp_path / "run").exists()
 
 

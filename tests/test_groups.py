@@ -7,6 +7,7 @@ import torch
 from helpers import tiny_qwen2
 from torch import nn
 
+from muonrun.errors import UserError
 from muonrun.optim.groups import ParamSplit, clean_param_name, split_params
 
 transformers = pytest.importorskip("transformers")
@@ -102,9 +103,9 @@ def test_patterns_override():
     split = split_params(model, muon_patterns=["lm_head.weight"])
     assert "lm_head.weight" in split.names()["muon"] and split.lm_head == []
 
-    with pytest.raises(ValueError, match="2-D"):
+    with pytest.raises(UserError, match="2-D"):
         split_params(model, muon_patterns=["model.norm.weight"])
-    with pytest.raises(ValueError, match="both"):
+    with pytest.raises(UserError, match="both"):
         split_params(model, muon_patterns=["*q_proj.weight"], adamw_patterns=["model.layers.0.*"])
 
 

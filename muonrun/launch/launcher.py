@@ -137,6 +137,7 @@ def launch(cfg: Config) -> int:
     from muonrun.features import enabled
     from muonrun.model.build import check_model
     from muonrun.optim.build import check_optimizer
+    from muonrun.optim.groups import split_params
 
     check_device(cfg)
     plan = make_plan(cfg)
@@ -148,7 +149,9 @@ def launch(cfg: Config) -> int:
         feature.check(device_type)
     check_optimizer(cfg.optimizer, device_type)
     tokenizer = check_data(cfg)
-    check_model(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features)
+    model = check_model(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features)
+    if cfg.optimizer.name == "muon":  # its patterns against the (meta) model's parameters
+        split_params(model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns)
     config_yaml = to_yaml(cfg)
     out = Path(cfg.output_dir)
     check_run_folder(out)  # before anything is created there

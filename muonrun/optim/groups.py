@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from muonrun.errors import UserError
 from muonrun.optim.experts import is_experts_module
 
 __all__ = ["ParamSplit", "clean_param_name", "split_params"]
@@ -125,8 +126,8 @@ def split_params(
 ) -> ParamSplit:
     """Split ``model``'s trainable parameters into Muon / embedding / LM head / norm+bias / other.
 
-    Raises ValueError if a pattern forces a non-2-D parameter into Muon, a parameter matches both
-    pattern lists, or the split does not hold every trainable parameter exactly once.
+    Raises UserError if a pattern forces a non-2-D parameter into Muon or a parameter matches both
+    pattern lists, ValueError if the split does not hold every trainable parameter exactly once.
     """
     muon_patterns = list(muon_patterns or [])
     adamw_patterns = list(adamw_patterns or [])
@@ -160,13 +161,19 @@ def split_params(
         forced_muon = _matches(name, muon_patterns)
         forced_adamw = _matches(name, adamw_patterns)
         if forced_muon and forced_adamw:
-            raise ValueError(f"parameter {name} matches both muon_patterns and adamw_patterns")
+            raise UserError(
+                f"Parameter {name} matches both optimizer.muon.muon_patterns and optimizer.muon.adamw_patterns "
+                f"(muon_patterns {muon_patterns}, adamw_patterns {adamw_patterns}): each parameter goes to one "
+                "optimizer. Narrow one of the two lists so that it no longer matches it."
+            )
         if forced_muon and p.ndim == 3 and module is not None and is_experts_module(module):
             split.experts.append((name, p))
         elif forced_muon:
             if p.ndim != 2:
-                raise ValueError(
-                    f"muon_patterns matched {name} with shape {tuple(p.shape)}: Muon needs 2-D matrices"
+                raise UserError(
+                    f"optimizer.muon.muon_patterns {muon_patterns} matches {name}, of shape {tuple(p.shape)}: "
+                    "Muon steps 2-D matrices (and stacked experts) only. Narrow the pattern so that it matches "
+                    "matrices alone (e.g. '*proj.weight'); vectors such as norms and biases stay on AdamW."
                 )
             split.muon.append((name, p))
         elif id(p) in embedding_ids:
