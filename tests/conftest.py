@@ -66,7 +66,7 @@ def pytest_sessionfinish(session, exitstatus):
 def reseal():
     """`reseal(checkpoint, name, text)`: replace one file of a checkpoint (None: remove it) and rewrite the
     manifest to match, as a checkpoint saved that way would be (an older muonrun's without config.yaml,
-    another run's config)."""
+    which recorded no architecture either; another run's config)."""
     import json
 
     from muonrun.checkpoint import META
@@ -78,6 +78,8 @@ def reseal():
         if text is None:
             path.unlink()
             meta["files"].pop(name)
+            if name == "config.yaml":
+                meta.pop("architecture", None)
         else:
             path.write_text(text)
             meta["files"].update(hash_files([path]))

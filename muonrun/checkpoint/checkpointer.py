@@ -409,15 +409,16 @@ class Checkpointer:
             return None
         kind, path = choice
         check_identity(path, self.identity)
-        check_architecture(path, self.architecture, kind)
         if kind == "init":
+            check_architecture(path, self.architecture, kind)
             self._dcp_load({"model": self.states["model"]}, path)
             if self.dist.is_main:
                 log.info(
                     f"weights initialised from {path} (checkpoint.init_from; optimizer and data start fresh)"
                 )
             return path
-        check_settings(path, self.config_yaml)
+        check_settings(path, self.config_yaml)  # first: it names the settings, where they changed
+        check_architecture(path, self.architecture, kind)
         self._dcp_load(dict(self.states), path)
         own = load_rank_state(rank_state_file(path, self.dist.rank, self.dist.world_size))
         for key, part in self.rank_states.items():

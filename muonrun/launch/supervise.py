@@ -61,12 +61,6 @@ def stop_workers_now() -> None:
             os.kill(child.pid, signal.SIGKILL)
 
 
-def _forward(signum: int) -> None:
-    for child in multiprocessing.active_children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signum)
-
-
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -133,7 +127,19 @@ class Supervisor:
             f"got {signal.Signals(signum).name}: the workers save a checkpoint within two steps (the "
             "ranks agree on one first), then stop."
         )
-        _forward(signum)
+        self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        """To the workers (this process's children) that registered, whose handlers record it. One still
+        starting (importing) would die of it, a crash instead of a save: the watcher sends it the request
+        once it registers."""
+        registered: set[int] = set()
+        with contextlib.suppress(OSError):
+            registered = {int(p.name) for p in (self.control / "workers").iterdir() if p.name.isdigit()}
+        for child in multiprocessing.active_children():
+            if child.pid in registered:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signum)
 
     def _interrupt(self, signum, frame) -> None:
         """Ctrl-C, which the workers ignore: they get it only through here."""
@@ -146,7 +152,7 @@ class Supervisor:
             )
             if self._stop_signal is None:
                 self._stop_signal = signal.SIGTERM
-                _forward(signal.SIGTERM)
+                self._forward(signal.SIGTERM)
             return
         self._stop_now()
         raise KeyboardInterrupt
