@@ -341,3 +341,34 @@ def test_a_worker_reaped_before_its_waiter_runs_is_still_named_in_the_restart_me
                 break
             time.sleep(0.1)
     assert "worker rank 3 failed (killed by SIGKILL); restarting the workers (restart 1 of 2)" in said, said
+
+
+def test_a_stop_request_reaches_workers_once_they_registered_never_while_they_start(tmp_path):
+    """A worker still importing has no handler for a stop signal and would die of it (a crash, not a
+    save): the launcher passes a request only to registered workers, and the watcher passes it to a
+    worker that registers later."""
+    import multiprocessing
+
+    from muonrun.launch import supervise
+
+    control = tmp_path / "control"
+    (control / "workers").mkdir(parents=True)
+    fork = multiprocessing.get_context("fork")
+    registered, starting = (fork.Process(target=time.sleep, args=(60,)) for _ in range(2))
+    registered.start()
+    starting.start()
+    try:
+        with supervise.Supervisor(control, tmp_path / "run", max_restarts=0) as supervisor:
+            (control / "workers" / str(registered.pid)).write_text(json.dumps({"rank": 0, "attempt": 0}))
+            supervisor._stop_request(signal.SIGTERM, None)
+            registered.join(10)
+            assert registered.exitcode == -signal.SIGTERM
+            time.sleep(0.5)  # the watcher looks every 0.2 s: an unregistered worker is left alone
+            assert starting.is_alive()
+            (control / "workers" / str(starting.pid)).write_text(json.dumps({"rank": 1, "attempt": 0}))
+            starting.join(10)
+            assert starting.exitcode == -signal.SIGTERM  # once registered, it gets the request
+    finally:
+        for p in (registered, starting):
+            p.kill()
+            p.join()
