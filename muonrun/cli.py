@@ -140,7 +140,12 @@ def pretrain(
             "--world-size only plans (with --dry-run); to train, use --nnodes and --nproc-per-node."
         )
     # Inside `srun`, SLURM's variables fill the launch.* keys that the config and the flags leave unset.
-    cfg = load_config(config, [*(overrides or []), *flags], environment=launch_defaults())
+    endpoint_given = rdzv_endpoint is not None or any(
+        o.split("=", 1)[0].lstrip("+~") == "launch.rdzv_endpoint" for o in overrides or []
+    )
+    cfg = load_config(
+        config, [*(overrides or []), *flags], environment=launch_defaults(endpoint_given=endpoint_given)
+    )
     if dry_run:
         from muonrun.tools.plan import print_plan
 

@@ -146,3 +146,16 @@ def test_launcher_rejects_a_mesh_that_does_not_fit_before_any_worker_starts():
 def test_world_size_without_dry_run_is_refused():
     result = runner.invoke(app, ["pretrain", "tiny", "--world-size", "8"])
     assert result.exit_code == 2 and "--dry-run" in result.output
+
+
+def test_an_explicit_endpoint_means_the_node_list_is_never_read(monkeypatch):
+    """The documented order is SLURM < preset < overrides < flags: with --rdzv-endpoint or an override of
+    launch.rdzv_endpoint, a node list muonrun cannot read does not refuse the run; without one it does."""
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the list is parsed here
+    for key, value in {**STEP, "SLURM_STEP_NODELIST": "node[01-02"}.items():
+        monkeypatch.setenv(key, value)
+    for given in (["--rdzv-endpoint", "head:29400"], ["launch.rdzv_endpoint=head:29400"]):
+        result = runner.invoke(app, ["pretrain", "tiny", "--dry-run", *given])
+        assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["pretrain", "tiny", "--dry-run"])
+    assert result.exit_code == 2 and "node list 'node[01-02' cannot be read" in result.output, result.output

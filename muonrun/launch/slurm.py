@@ -101,8 +101,10 @@ def in_job_step(env: Mapping[str, str]) -> bool:
     return bool(env.get("SLURM_JOB_ID")) and bool(_first(env, "SLURM_STEP_ID", "SLURM_STEPID"))
 
 
-def launch_defaults(env: Mapping[str, str] | None = None) -> dict[str, object]:
+def launch_defaults(env: Mapping[str, str] | None = None, endpoint_given: bool = False) -> dict[str, object]:
     """{dotted `launch.*` key: value} from a SLURM job step's environment; {} outside one.
+    `endpoint_given`: the flags or overrides set launch.rdzv_endpoint, so the node list is not read
+    (it would be overridden anyway, and a list it cannot read must not refuse the run).
 
     Raises UserError when srun started several tasks on a node: muonrun starts the workers itself."""
     env = os.environ if env is None else env
@@ -127,7 +129,7 @@ def launch_defaults(env: Mapping[str, str] | None = None) -> dict[str, object]:
         "launch.node_rank": int(env.get("SLURM_NODEID", "0")),
     }
     nodelist = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-    if nodelist and nnodes > 1:  # one node: a free local port, as outside SLURM
+    if nodelist and nnodes > 1 and not endpoint_given:  # one node: a free local port, as outside SLURM
         port = env.get(PORT_ENV) or str(DEFAULT_PORT)
         if not (port.isdigit() and 1 <= int(port) <= 65535):
             raise UserError(f"{PORT_ENV}='{port}' is not a port number (1..65535).")
