@@ -54,6 +54,14 @@ def test_fault_specs():
     assert faults.LAUNCHER_PID_ENV == LAUNCHER_PID_ENV  # faults' copy (an import would be a cycle)
 
 
+def test_a_fault_spec_that_does_not_parse_exits_2_before_any_worker_starts(tmp_path):
+    result = runner.invoke(
+        app, ["pretrain", "tiny", f"output_dir={tmp_path / 'run'}"], env={faults.ENV: "nan@x"}
+    )
+    assert result.exit_code == 2 and "MUONRUN_FAULT='nan@x' is not one of" in result.output, result.output
+    assert not (tmp_path / "run").exists()
+
+
 def _fake_checkpoint(path: Path, world_size: int = 2, complete: bool = True) -> Path:
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"x")

@@ -107,6 +107,8 @@ def test_patterns_override():
         split_params(model, muon_patterns=["model.norm.weight"])
     with pytest.raises(UserError, match="both"):
         split_params(model, muon_patterns=["*q_proj.weight"], adamw_patterns=["model.layers.0.*"])
+    with pytest.raises(UserError, match=r"adamw_patterns \['\*q_prj\*'\] match no trainable parameter"):
+        split_params(model, adamw_patterns=["*q_proj.weight", "*q_prj*"])  # a typo is not ignored
 
 
 def test_frozen_and_custom_parameters():

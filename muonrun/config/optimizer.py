@@ -106,9 +106,11 @@ class MuonConfig:
     time per model on one H200 is in docs/performance.md. `auto`: quack on Hopper GPUs where it is
     installed, torch's elsewhere. The first step compiles its kernels."""
     muon_patterns: list[str] = field(default_factory=list)
-    """Parameter-name globs forced into Muon (must be 2-D)."""
+    """Parameter-name globs (fnmatch, e.g. `*self_attn.q_proj.weight`) forced into Muon: each must match
+    a trainable parameter, and only 2-D ones (or stacked experts)."""
     adamw_patterns: list[str] = field(default_factory=list)
-    """Parameter-name globs forced into AdamW."""
+    """Parameter-name globs forced into AdamW; each must match a trainable parameter, none one that
+    `muon_patterns` matches too."""
 
     def __post_init__(self) -> None:
         not_negative(**{"optimizer.muon.lr": self.lr})

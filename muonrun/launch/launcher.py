@@ -129,6 +129,18 @@ def claim_output_dir(out: Path, node_rank: int) -> RunLock | contextlib.nullcont
     return RunLock(out).acquire() if node_rank == 0 else contextlib.nullcontext()
 
 
+def check_fault_spec() -> None:
+    """A drill's MUONRUN_FAULT that does not parse: refused here, not in every worker after start-up."""
+    from muonrun import faults
+
+    try:
+        faults.parse(os.environ.get(faults.ENV))
+    except ValueError as e:
+        raise UserError(
+            f"{e}. Fix or unset {faults.ENV} (fault injection for drills: docs/checkpoints.md)."
+        ) from None
+
+
 def launch(cfg: Config) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.checkpoint import check_run_folder
@@ -140,6 +152,7 @@ def launch(cfg: Config) -> int:
     from muonrun.optim.groups import split_params
 
     check_device(cfg)
+    check_fault_spec()
     plan = make_plan(cfg)
     if not plan.in_process:
         quiet_leak_warnings()  # before anything can start the resource tracker

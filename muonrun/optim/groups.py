@@ -197,6 +197,15 @@ def split_params(
             split.other.append((name, p))
 
     _check_complete(split, named)
+    for key, patterns in (("muon_patterns", muon_patterns), ("adamw_patterns", adamw_patterns)):
+        unused = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named)]
+        if unused:  # a typo would otherwise leave the split as it was, without a word
+            examples = ", ".join(n for n, p in named if p.ndim == 2)[:160] or "none"
+            raise UserError(
+                f"optimizer.muon.{key} {unused} match no trainable parameter of this model, whose names look "
+                f"like {examples}... Fix the pattern (fnmatch wildcards, e.g. '*self_attn.q_proj.weight') or "
+                "drop it."
+            )
     return split
 
 
