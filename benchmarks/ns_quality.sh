@@ -96,8 +96,8 @@ def seed(run):
 for v in ("muon", "normuon"):
     if not (out / f"study-{v}").exists():
         continue
-    if seed(out / f"study-{v}") != 42:  # docs/data/study holds seed 42 only: another seed has no reference
-        print(f"study-{v}: seed {seed(out / f'study-{v}')}, but docs/data/study holds seed 42 only: not compared"
+    if (s := seed(out / f"study-{v}")) != 42:  # docs/data/study holds seed 42 only: no reference for another
+        print(f"study-{v}: seed {s}, but docs/data/study holds seed 42 only: not compared"
               f" (its final eval loss {final_eval(out / f'study-{v}'):.4f})")
         continue
     new, old = final_eval(out / f"study-{v}"), final_eval(ref / f"{v}-lr0.01-seed42")

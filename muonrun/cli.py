@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from muonrun import __version__
-from muonrun.config.load import preset_names
+from muonrun.config.load import overridden_keys, preset_names
 from muonrun.errors import UserError
 
 app = typer.Typer(
@@ -140,9 +140,7 @@ def pretrain(
             "--world-size only plans (with --dry-run); to train, use --nnodes and --nproc-per-node."
         )
     # Inside `srun`, SLURM's variables fill the launch.* keys that the config and the flags leave unset.
-    endpoint_given = rdzv_endpoint is not None or any(
-        o.split("=", 1)[0].lstrip("+~") == "launch.rdzv_endpoint" for o in overrides or []
-    )
+    endpoint_given = rdzv_endpoint is not None or "launch.rdzv_endpoint" in overridden_keys(overrides or [])
     cfg = load_config(
         config, [*(overrides or []), *flags], environment=launch_defaults(endpoint_given=endpoint_given)
     )

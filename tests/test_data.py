@@ -608,6 +608,8 @@ def test_bad_weight_split_and_offline_hub(tmp_path, corpus):
     _, path = corpus
     with pytest.raises(UserError, match=r"data.sources.0.weight.*positive"):  # the config refuses it
         make_cfg([SourceConfig(path=path, weight=0)])
+    with pytest.raises(UserError, match=r"data.eval_sources.0.weight.*positive"):
+        make_cfg([path], eval_sources=[SourceConfig(path=path, weight=-1)])
     expect_error(make_cfg([SourceConfig(path=path, split="validation")]), r"data.sources.0.split")
     for streaming in (False, True):
         hub = make_cfg(

@@ -452,7 +452,8 @@ class Checkpointer:
     # -- end
 
     def finish(self) -> None:
-        """After a normal end of training (collective): publish a pending async save."""
+        """After a normal end of training, or a stop on a non-finite step every rank agreed on
+        (collective): publish a pending async save, which is of an earlier, finite step."""
         self._finish_pending()
 
     def close(self) -> None:

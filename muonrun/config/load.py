@@ -130,6 +130,11 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, bool]]:
     return parsed
 
 
+def overridden_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys a list of KEY=VALUE overrides sets (as `load_config` reads them)."""
+    return {key for key, _, _ in _parse_overrides(overrides)}
+
+
 # How to write a value YAML would read otherwise: a glob's leading `*` is an alias to YAML, `&` an anchor
 QUOTING = (
     'Quote values that hold ":", "{" or "#", and those that start with "*", "&" or "!" (YAML reads them as '

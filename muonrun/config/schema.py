@@ -140,12 +140,14 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         at_least(1, **{"data.seq_len": self.seq_len, "data.num_proc": self.num_proc})
-        for i, source in enumerate(self.sources):  # here, not with the files: a cached source skips those
-            if not source.weight > 0:
-                raise UserError(
-                    f"Config key 'data.sources.{i}.weight' is {source.weight}; mixture weights must be positive "
-                    "(a source's share of the windows is its weight over their sum)."
-                )
+        # Here, not with the files: a cached source skips those checks.
+        for field_name in ("sources", "eval_sources"):
+            for i, source in enumerate(getattr(self, field_name)):
+                if not source.weight > 0:
+                    raise UserError(
+                        f"Config key 'data.{field_name}.{i}.weight' is {source.weight}; mixture weights must be "
+                        "positive (a source's share of the windows is its weight over their sum)."
+                    )
 
 
 @dataclass

@@ -287,8 +287,6 @@ def check_source(src, key: str, skip_bad_records: bool = False, cache_dir: str |
     import datasets
 
     quiet_progress_bars()
-    if not src.weight > 0:
-        raise UserError(f"Config key '{key}.weight' is {src.weight}; mixture weights must be positive.")
     files = resolve_files(src, key)
     if files is None:
         try:

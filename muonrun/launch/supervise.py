@@ -133,9 +133,7 @@ class Supervisor:
         """To the workers (this process's children) that registered, whose handlers record it. One still
         starting (importing) would die of it, a crash instead of a save: the watcher sends it the request
         once it registers."""
-        registered: set[int] = set()
-        with contextlib.suppress(OSError):
-            registered = {int(p.name) for p in (self.control / "workers").iterdir() if p.name.isdigit()}
+        registered = set(self._registered())
         for child in multiprocessing.active_children():
             if child.pid in registered:
                 with contextlib.suppress(ProcessLookupError):
@@ -182,28 +180,33 @@ class Supervisor:
     def _child_exited(self, signum, frame) -> None:
         """SIGCHLD: keep how each registered worker that has exited ended, before the agent reaps it."""
         with contextlib.suppress(OSError):
-            for path in (self.control / "workers").iterdir():
-                if not path.name.isdigit() or int(path.name) in self._exits:
+            for pid in self._registered():
+                if pid in self._exits:
                     continue
                 try:
-                    info = os.waitid(os.P_PID, int(path.name), os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
                 except ChildProcessError:  # reaped already, or not this process's child
                     continue
                 if info is not None:
-                    self._exits[int(path.name)] = (info.si_code, info.si_status)
+                    self._exits[pid] = (info.si_code, info.si_status)
 
     def _watch_exits(self) -> None:
         """Start a waiter for each worker as it registers."""
         watched: set[int] = set()
         while not self._done.wait(0.2):
-            with contextlib.suppress(OSError):
-                for path in (self.control / "workers").iterdir():
-                    if path.name.isdigit() and int(path.name) not in watched:
-                        watched.add(int(path.name))
-                        threading.Thread(target=self._wait_for, args=(int(path.name),), daemon=True).start()
-                        if self._stop_signal is not None:  # started (restarted) after the stop request
-                            with contextlib.suppress(ProcessLookupError):
-                                os.kill(int(path.name), self._stop_signal)
+            for pid in self._registered():
+                if pid not in watched:
+                    watched.add(pid)
+                    threading.Thread(target=self._wait_for, args=(pid,), daemon=True).start()
+                    if self._stop_signal is not None:  # started (restarted) after the stop request
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, self._stop_signal)
+
+    def _registered(self) -> list[int]:
+        """The pids of the workers that registered in the control folder (`workers/<pid>`), any attempt."""
+        with contextlib.suppress(OSError):
+            return [int(p.name) for p in (self.control / "workers").iterdir() if p.name.isdigit()]
+        return []
 
     def _wait_for(self, pid: int) -> None:
         """Block until worker `pid` exits and read how, leaving it for the agent to reap (WNOWAIT). The

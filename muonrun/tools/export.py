@@ -154,12 +154,14 @@ def as_trained(hf_config, checkpoint: Path):
     (`model.build.architecture_of`) on top, and the keys that differed: an export describes the model
     the weights were trained as, even if `model.name_or_path`'s config.json or transformers' defaults
     changed since. Checkpoints saved before the architecture was recorded keep today's."""
+    from muonrun.model.build import architecture_of
+
     saved = read_meta(checkpoint).get("architecture") or {}
-    now = hf_config.to_dict()
-    rebuilt = sorted(k for k in saved.keys() & now.keys() if saved[k] != json.loads(json.dumps(now[k])))
+    now = architecture_of(hf_config)
+    rebuilt = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
     if not rebuilt:
         return hf_config, []
-    return type(hf_config).from_dict({**now, **{k: saved[k] for k in rebuilt}}), rebuilt
+    return type(hf_config).from_dict({**hf_config.to_dict(), **{k: saved[k] for k in rebuilt}}), rebuilt
 
 
 def _export(checkpoint: Path, out: Path, dtype: str, adapter_only: bool, shown_as: Path) -> None:
