@@ -27,10 +27,9 @@ class MuonConfig:
     coefficients, arXiv:2505.16932: about half the default's distance to the polar factor at 5
     iterations); or `turbo`, Turbo-Muon's 4-iteration table for `ns_precondition=aol` with
     `ns_steps=4` (arXiv:2512.04632). A table shorter than `ns_steps` repeats its last row.
-    `polar_express` with `ns_steps=4` is the one-GPU speed option: one iteration fewer, somewhat larger
-    updates (singular values up to about 1.6 instead of 1.2), and over two seeds (1.5B and the optimizer
-    study, docs/performance.md [v10]) a loss neither consistently lower nor higher than the default's,
-    though not on the same curve; the default stays torch.optim.Muon's iteration."""
+    `polar_express` with `ns_steps=4` saves one iteration but trains worse: somewhat larger updates
+    (singular values up to about 1.6 instead of 1.2) and, over four seeds, a 1.5B loss 0.9% higher than the
+    default's and the optimizer study's 0.5% (docs/performance.md [v10]); for studies only."""
     gram_ns: bool = False
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
     restart: the same iteration in exact arithmetic, about 40% fewer FLOPs on MLP-shaped matrices, as
