@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib
 import itertools
+import json
 import math
 import sys
 from pathlib import Path
@@ -362,6 +363,47 @@ def test_polar_express_x4_stays_bounded_with_somewhat_larger_updates():
         assert s_pe4.max() > 1.4 and s_default.max() < 1.25, name
         ratio = (pe4.norm() / default.norm()).item()
         assert 1.0 < ratio < 1.4, (name, ratio)
+
+
+def test_ns_quality_compares_each_seed_and_their_means(tmp_path, capsys):
+    """benchmarks/ns_quality.sh's comparison: per seed, the candidate's signed difference from the reference
+    (1.5B) and from the study run without it, or from docs/data/study at seed 42; over several seeds, the
+    means and on how many seeds the candidate is higher, held to the same bounds."""
+    compare = _script("ns_quality_compare")
+
+    def run(folder, seed, losses=None, eval_loss=None):
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(f"train:\n  seed: {seed}\n")
+        rows = [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses or [])]
+        rows += [{"step": 1000, "eval_loss": eval_loss}] if eval_loss is not None else []
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    reference = [4.0, 2.0, 1.0]
+    study = tmp_path / "study"
+    run(study / "muon-lr0.01-seed42", 42, eval_loss=0.30)
+    # seed 42: 1% higher, then 0.2% lower; seed 43: 3% higher at every step; the study at seed 42 against
+    # docs/data/study's run, at seed 43 against its base run beside it
+    run(tmp_path / "s42" / "reference", 42, reference)
+    run(tmp_path / "s42" / "defaults", 42, [4.04, 2.0, 0.998])
+    run(tmp_path / "s42" / "study-muon", 42, eval_loss=0.3003)
+    run(tmp_path / "s43" / "reference", 43, reference)
+    run(tmp_path / "s43" / "defaults", 43, [x * 1.03 for x in reference])
+    run(tmp_path / "s43" / "study-muon", 43, eval_loss=0.306)
+    run(tmp_path / "s43" / "study-muon-base", 43, eval_loss=0.300)
+    run(tmp_path / "s44" / "study-muon", 44, eval_loss=0.31)  # no base and not seed 42: not compared
+    compare.main([str(study), str(tmp_path / "s42"), str(tmp_path / "s43"), str(tmp_path / "s44")])
+    out = capsys.readouterr().out
+    s42, s43, s44, means = out.split("== ")[1:]
+    assert "1.0000% at step 10 (the candidate higher)" in s42 and "limit 1.0000%" in s42
+    assert "defaults -0.2000% from the reference" in s42 and "0.5%, or the references' own): pass" in s42
+    assert "0.3003 vs 0.3000 (docs/data/study; +0.100%, limit 0.5%): pass" in s42
+    assert "3.0000% at step 10" in s43 and ": FAIL" in s43
+    assert "0.3060 vs 0.3000 (the same seed without the candidate; +2.000%, limit 0.5%): FAIL" in s43
+    assert "seed 44, no study-muon-base beside it" in s44 and "not compared" in s44
+    assert means.startswith("means over 3 seeds")
+    assert "largest mean relative difference +2.0000% at step 10; limit 1%: FAIL" in means
+    assert "+1.4000% on average (-0.20%, +3.00%" in means and "the candidate higher on 1 of 2" in means
+    assert "study-muon, 2 seeds: final eval loss +1.050% on average" in means and "higher on 2 of 2" in means
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4), (2, 7, 3)])
