@@ -146,6 +146,11 @@ def test_config_docs_is_a_reference():
             ],
             "optimizer.muon.muon_patterns ['*norm*'] matches model.layers.0.input_layernorm.weight, of shape (128,)",
         ),
+        (
+            ["pretrain", "tiny", "--dry-run", "train.router_z_loss_coef=0.001"],
+            "'train.router_z_loss_coef' is 0.001: it keeps a mixture of experts' router logits small, and this"
+            " model (qwen2) has no experts",
+        ),
     ],
 )
 def test_user_errors_exit_2_without_traceback(args, message):
@@ -285,6 +290,23 @@ def test_muon_patterns_that_cannot_split_the_model_exit_2_before_any_worker_star
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and "matches both optimizer.muon.muon_patterns and" in text, result.output
     assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_resume_or_init_path_that_names_no_checkpoint_exits_2_before_any_worker_starts(tmp_path):
+    """Checked by the launcher with the workers' own rule (`resume.load_order`): nothing is created."""
+    (tmp_path / "empty").mkdir()
+    for override, says in (
+        (f"checkpoint.resume_from={tmp_path / 'nowhere'}", "checkpoint.resume_from: '{}' does not exist"),
+        (
+            f"checkpoint.init_from={tmp_path / 'empty'}",
+            "checkpoint.init_from: '{}' is not a muonrun checkpoint",
+        ),
+    ):
+        path = override.split("=", 1)[1]
+        result = runner.invoke(app, ["pretrain", "tiny", override, f"output_dir={tmp_path / 'run'}"])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and says.format(path) in text, result.output
+        assert "Traceback" not in result.output and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

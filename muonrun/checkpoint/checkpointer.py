@@ -43,9 +43,7 @@ from muonrun.checkpoint.files import (
     fsync_dir,
     hash_files,
     prune,
-    published_checkpoints,
     read_meta,
-    resolve_checkpoint,
     seal,
     verify,
     write_synced,
@@ -55,6 +53,7 @@ from muonrun.checkpoint.resume import (
     check_architecture,
     check_identity,
     check_settings,
+    load_order,
     resume_key,
     set_aside_later_steps,
     started_from,
@@ -330,31 +329,15 @@ class Checkpointer:
             for junk in self.root.glob("step-*.*") if self.root.is_dir() else []:
                 if junk.is_dir() and junk.suffix in (".tmp", ".deleting", ".replaced"):
                     shutil.rmtree(junk, ignore_errors=True)  # leftovers of an interrupted save or prune
-            found = published_checkpoints(self.root)
             try:
-                if ck.resume_from:
-                    # this run's own checkpoints since it started from there come first, newest first
-                    key = resume_key(ck.resume_from)
-                    line = [p for p in found if started_from(p) == key]
-                    if line:
-                        log.info(
-                            f"checkpoint.resume_from: this run started from '{ck.resume_from}' and has saved "
-                            f"since; it continues from its own latest, {line[-1].name}."
-                        )
-                    result = [("resume", str(p), False) for p in reversed(line)]
-                    try:
-                        result.append(("resume", str(resolve_checkpoint(ck.resume_from)), True))
-                    except UserError:
-                        if not line:
-                            raise
-                elif found:
-                    result = [("resume", str(p), False) for p in reversed(found)]
-                elif ck.init_from:
-                    result = [("init", str(resolve_checkpoint(ck.init_from)), True)]
+                result = load_order(ck.resume_from, ck.init_from, self.root)
             except UserError as e:  # raised on every rank below, not on rank 0 alone
-                result = [
-                    ("error", f"checkpoint.{'resume_from' if ck.resume_from else 'init_from'}: {e}", True)
-                ]
+                result = [("error", str(e), True)]
+            if ck.resume_from and result and not result[0][2]:
+                log.info(
+                    f"checkpoint.resume_from: this run started from '{ck.resume_from}' and has saved "
+                    f"since; it continues from its own latest, {Path(result[0][1]).name}."
+                )
             if result and result[0][0] == "resume" and ck.init_from:
                 log.warning(
                     f"checkpoint.init_from='{ck.init_from}' is IGNORED: resuming from {result[0][1]} instead "

@@ -14,6 +14,7 @@ from muonrun.checkpoint.files import (
     fsync_dir,
     published_checkpoints,
     read_meta,
+    resolve_checkpoint,
     step_of,
 )
 from muonrun.config import differences
@@ -49,6 +50,32 @@ def started_from(checkpoint: Path) -> str | None:
         return read_meta(checkpoint).get("started_from")
     except DamagedCheckpoint:  # found and named when it is verified
         return None
+
+
+def load_order(resume_from: str | None, init_from: str | None, root: Path) -> list[tuple[str, str, bool]]:
+    """What a run with these settings loads, in the order to try: ``[(kind, path, explicit)]``, kind
+    "resume" or "init" (`checkpoint.init_from`: weights only), explicit when the path is the setting's own.
+    With `resume_from`: the checkpoints this run saved since it started from there (`root` holds them;
+    newest first), then that checkpoint; else the newest of `root`'s first; else `init_from`'s; else none.
+    A setting that names no checkpoint when it is needed raises a UserError naming its key (the launcher
+    calls this before any worker starts, rank 0 again at load)."""
+    found = published_checkpoints(root)
+    key = "checkpoint.resume_from" if resume_from else "checkpoint.init_from"
+    try:
+        if resume_from:
+            line = [p for p in found if started_from(p) == resume_key(resume_from)]
+            order = [("resume", str(p), False) for p in reversed(line)]
+            try:
+                order.append(("resume", str(resolve_checkpoint(resume_from)), True))
+            except UserError:
+                if not line:  # a rerun continues its own line though the first checkpoint is gone
+                    raise
+            return order
+        if found:
+            return [("resume", str(p), False) for p in reversed(found)]
+        return [("init", str(resolve_checkpoint(init_from)), True)] if init_from else []
+    except UserError as e:
+        raise UserError(f"{key}: {e}") from None
 
 
 def set_aside_later_steps(root: Path, start: Path, step: int) -> None:

@@ -265,7 +265,7 @@ class TrainConfig:
     """Mixture-of-experts models: weight of the router z-loss (ST-MoE, arXiv:2202.08906: the mean squared
     logsumexp of each token's router logits, averaged over MoE layers; ST-MoE uses 0.001), added to the
     LM loss and logged as `z_loss`. It keeps router logits small, which keeps training stable; it does not
-    balance the experts. 0: off."""
+    balance the experts. 0: off; a dense model refuses anything else."""
     router_bias_update_rate: float = 0.0
     """Mixture-of-experts models: auxiliary-loss-free balancing (DeepSeek-V3, arXiv:2408.15437 §2.1.2).
     Each router gets a per-expert bias b, added to the router's probabilities for choosing the top-k

@@ -144,10 +144,11 @@ def check_fault_spec() -> None:
 def launch(cfg: Config) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.checkpoint import check_run_folder
+    from muonrun.checkpoint.resume import load_order
     from muonrun.data import check_data
     from muonrun.distributed import check_device, pick_device_type
     from muonrun.features import enabled
-    from muonrun.model.build import check_model
+    from muonrun.model.build import check_model, check_router_losses
     from muonrun.optim.build import check_optimizer
     from muonrun.optim.groups import split_params
 
@@ -163,11 +164,14 @@ def launch(cfg: Config) -> int:
     check_optimizer(cfg.optimizer, device_type)
     tokenizer = check_data(cfg)
     model = check_model(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features)
+    check_router_losses(cfg.train.router_z_loss_coef, model.config)
     if cfg.optimizer.name == "muon":  # its patterns against the (meta) model's parameters
         split_params(model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns)
     config_yaml = to_yaml(cfg)
     out = Path(cfg.output_dir)
     check_run_folder(out)  # before anything is created there
+    # a resume_from / init_from that names no checkpoint: refused here, not by every worker after spawn
+    load_order(cfg.checkpoint.resume_from, cfg.checkpoint.init_from, out / "checkpoints")
     run_lock = claim_output_dir(out, plan.node_rank)  # node 0: before anything in output_dir is touched
     # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
     # refused at resume leaves the folder's config as it was.

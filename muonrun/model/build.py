@@ -232,6 +232,16 @@ def check_experts(hf) -> None:
         )
 
 
+def check_router_losses(router_z_loss_coef: float, hf_config) -> None:
+    """The router z-loss needs routers: on a dense model `train.router_z_loss_coef` would do nothing."""
+    if router_z_loss_coef > 0 and not is_moe(hf_config):
+        raise UserError(
+            f"Config key 'train.router_z_loss_coef' is {router_z_loss_coef}: it keeps a mixture of experts' "
+            f"router logits small, and this model ({hf_config.model_type}) has no experts. Set it to 0, "
+            "or train a mixture-of-experts model (the qwen2-moe presets)."
+        )
+
+
 def build_model(m: ModelConfig, hf_config, features: list[Feature] = ()) -> nn.Module:
     """The causal LM on the meta device (no memory is used until `init_weights`), as the enabled
     features adapt it (LoRA's adapters, say)."""
