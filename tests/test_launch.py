@@ -1,6 +1,8 @@
 """The launcher's promises beyond training itself: one live writer per run folder (a lock naming its
 holder, taken over from a dead one), workers that die with their launcher, SIGHUP that saves and stops,
-SIGQUIT that stops at once, a busy rendezvous port named in one paragraph, nothing left outside the run.
+SIGQUIT that stops at once, Ctrl-C that saves even while the workers start, each sent to the whole
+process group as a terminal sends it, a busy rendezvous port named in one paragraph, nothing left
+outside the run.
 
 The end-to-end test runs one job through four launches on CPU (2 gloo workers); MUONRUN_FAULT=hang@STEP
 makes step STEP last until a stop request arrives, so each signal lands mid-run. The metrics row of step
@@ -60,9 +62,19 @@ def env(tmp: Path, fault: str | None = None) -> dict[str, str]:
 
 def start(out: Path, tmp: Path, log: Path, fault: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "muonrun", "pretrain", "tiny", f"output_dir={out}", *RUN]
-    return subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env(tmp, fault), cwd=REPO
+    return subprocess.Popen(  # its own process group, as a terminal's foreground job: the group gets Ctrl-C
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env(tmp, fault),
+        cwd=REPO,
+        start_new_session=True,
     )
+
+
+def spawned(proc: subprocess.Popen) -> int:
+    """How many child processes the launcher has (Linux: /proc)."""
+    return sum(len(f.read_text().split()) for f in Path(f"/proc/{proc.pid}/task").glob("*/children"))
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> tuple[int, str]:
@@ -158,7 +170,7 @@ def test_one_writer_per_run_folder_workers_die_with_their_launcher_and_hup_and_q
     log3 = tmp_path / "third.log"
     third = start(out, tmp, log3, fault="hang@10")
     wait_until(lambda: 8 in losses(out), third, log3)
-    third.send_signal(signal.SIGHUP)
+    os.killpg(third.pid, signal.SIGHUP)  # a closed terminal: to the launcher, its workers and their tracker
     code, text = finish(third, log3)
     assert code == 0, text[-3000:]
     assert f"lock was left by a launch that is gone (pid {first.pid} on" in text and "taking it over" in text
@@ -179,12 +191,28 @@ def test_one_writer_per_run_folder_workers_die_with_their_launcher_and_hup_and_q
     fourth = start(out, tmp, log4, fault="hang@15")
     wait_until(lambda: 13 in losses(out), fourth, log4)
     saved = tree(out / "checkpoints")
-    fourth.send_signal(signal.SIGQUIT)
+    os.killpg(fourth.pid, signal.SIGQUIT)  # Ctrl-\\ in a terminal: to every process of the job
     code, text = finish(fourth, log4)
     assert code == 131, text[-3000:]
     assert "got SIGQUIT: stopping the workers now, without saving" in text and "stopped by SIGQUIT" in text
     assert "Traceback" not in text and "terminate called" not in text and "leaked" not in text
     assert tree(out / "checkpoints") == saved and max(losses(out)) == 13
+
+    # 6. Ctrl-C in a terminal while the workers still import: they get it too, before they can ignore it,
+    #    yet it is the launcher's one stop request: they save after the first step or two, exit 0.
+    log5 = tmp_path / "fifth.log"
+    latest = int(checkpoints(out)[-1].split("-")[1])  # step-12 if the fourth launch saved it
+    fifth = start(out, tmp, log5)
+    if Path("/proc/self/task").is_dir():  # Linux: the moment the workers are spawned
+        wait_until(lambda: spawned(fifth) >= 2, fifth, log5)
+    else:
+        time.sleep(3)
+    os.killpg(fifth.pid, signal.SIGINT)
+    code, text = finish(fifth, log5)
+    assert code == 0 and "Ctrl-C: the workers save a checkpoint within two steps" in text, text[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step-{latest}'}" in text, text[-3000:]
+    assert f"Stopped by signal after step {max(losses(out))}" in text and max(losses(out)) - latest in (1, 2)
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text and "failed" not in text, text[-3000:]
 
     # Nothing of the four launches is left outside the run folder, nor their control folders in it.
     assert not [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor")]

@@ -30,6 +30,7 @@ import os
 import signal
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 from muonrun import log
@@ -61,6 +62,20 @@ def stop_workers_now() -> None:
             os.kill(child.pid, signal.SIGKILL)
 
 
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the workers' semaphores) now, with the terminal's signals
+    ignored, which it keeps. It handles neither Ctrl-\\ nor a hangup, and a terminal sends them to every
+    process of its foreground group: killed by one, it is started again by the next worker that
+    registers a semaphore, and that one's cleanup prints a KeyError traceback. Started by the agent with
+    the first worker instead, it would also unblock SIGINT in the agent's thread (see `__enter__`)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in TERMINAL_SIGNALS}
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -87,8 +102,10 @@ class Supervisor:
         self._announced: set[int] = set()  # attempts whose failure was announced
         self._lock = threading.Lock()  # the waiters of one attempt's workers may fire together
         self._exits: dict[int, tuple[int, int]] = {}  # pid: (si_code, si_status), kept by _child_exited
+        self._mask: set[signal.Signals] | None = None  # this thread's signal mask before __enter__
 
     def __enter__(self) -> Supervisor:
+        start_resource_tracker()
         handlers = {
             signal.SIGTERM: self._stop_request,
             signal.SIGUSR1: self._stop_request,
@@ -104,9 +121,19 @@ class Supervisor:
         if hasattr(os, "waitid"):
             self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._child_exited)
             self._watch.start()
+            # A terminal sends Ctrl-C, Ctrl-\ and its hangup to every process of its foreground group,
+            # the workers too, which die of them while they still import (a crash report instead of a
+            # save). Blocked in this thread, the agent's, they are blocked in every worker it spawns (a
+            # signal mask survives fork and exec) until `worker_entry` has its handlers and unblocks them.
+            # This process still gets them, through the watcher thread (started before, so not blocked),
+            # and Python runs the handlers above in this thread as before, when the agent next wakes.
+            # (The resource tracker, started above, would unblock SIGINT here if it started with a worker.)
+            self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
         self._done.set()
         if self._watch.is_alive():
             self._watch.join()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from muonrun import log
-from muonrun.checkpoint.stop import LAUNCHER_PID_ENV, ignore_stop_requests, record_early
+from muonrun.checkpoint.stop import LAUNCHER_PID_ENV, TERMINAL_SIGNALS, ignore_stop_requests, record_early
 from muonrun.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -42,6 +42,9 @@ def worker_entry(config_yaml: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers through the launcher only
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)  # so does SIGQUIT (Ctrl-\ in a terminal hits them all)
     record_early()
+    # Blocked since the spawn (launch/supervise.py): a terminal's Ctrl-C or Ctrl-\ during the imports is
+    # dropped now, its hangup recorded as a stop request.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)
     register()
 
     from torch.distributed.elastic.multiprocessing.errors import record
