@@ -1,7 +1,8 @@
 """Which checkpoint a run resumes, and whether it may: the settings a resume must keep, the base model
 it must share (`identity`), and the line of checkpoints a `checkpoint.resume_from` starts (each records
 where it started, so rerunning the same command continues it; the checkpoints it went back from are set
-aside). Used by the checkpointer at load (docs/checkpoints.md, "Resume rules")."""
+aside). Used by the checkpointer at load (docs/checkpoints.md, "Resume rules"), and by the launcher to
+refuse a `resume_from` or `init_from` that names no checkpoint before any worker starts (`load_order`)."""
 
 from __future__ import annotations
 
