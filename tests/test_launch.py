@@ -371,6 +371,35 @@ def test_a_worker_reaped_before_its_waiter_runs_is_still_named_in_the_restart_me
     assert "worker rank 3 failed (killed by SIGKILL); restarting the workers (restart 1 of 2)" in said, said
 
 
+def test_the_restart_message_names_what_the_restart_loads(tmp_path):
+    """By the checkpointer's own rule: a run started with resume_from restarts from that checkpoint (or
+    its line's latest), not from the folder's newest, which the restart sets aside; init_from's weights
+    where the folder has none."""
+    from muonrun.checkpoint.files import META, seal
+    from muonrun.launch import supervise
+
+    def checkpoint(path: Path, started_from: str | None = None) -> Path:
+        path.mkdir(parents=True)
+        meta = {"step": int(path.name.split("-")[1]), "files": {}}
+        (path / META).write_text(
+            json.dumps(seal(meta | ({"started_from": started_from} if started_from else {})))
+        )
+        return path
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    point = lambda **kw: supervise.Supervisor(tmp_path / "control", run, 1, **kw)._restart_point()  # noqa: E731
+    assert point() == "resuming from the start (no checkpoint yet)"
+    init = checkpoint(other / "checkpoints" / "step-3")
+    assert point(init_from=str(init)) == f"starting from the weights of {init} (checkpoint.init_from)"
+    assert point(resume_from=str(init)) == f"resuming from {init}"
+    newest = checkpoint(run / "checkpoints" / "step-8")  # the line this run goes back from
+    back = checkpoint(run / "checkpoints" / "step-4")
+    assert point() == point(init_from=str(init)) == f"resuming from {newest}"
+    assert point(resume_from=str(back)) == f"resuming from {back}"
+    line = checkpoint(run / "checkpoints" / "step-6", started_from=str(back.resolve()))
+    assert point(resume_from=str(back)) == f"resuming from {line}"
+
+
 def test_a_stop_request_reaches_workers_once_they_registered_never_while_they_start(tmp_path):
     """A worker still importing has no handler for a stop signal and would die of it (a crash, not a
     save): the launcher passes a request only to registered workers, and the watcher passes it to a

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from muonrun import log
 from muonrun.checkpoint.stop import LAUNCHER_PID_ENV
-from muonrun.config import Config, to_yaml
+from muonrun.config import CheckpointConfig, Config, to_yaml
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 from muonrun.launch.lock import RunLock
@@ -180,7 +180,7 @@ def launch(cfg: Config) -> int:
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         if plan.in_process:
             return _in_process(config_yaml)
-        return _elastic(plan, config_yaml, out)
+        return _elastic(plan, config_yaml, out, cfg.checkpoint)
 
 
 def _in_process(config_yaml: str) -> int:
@@ -209,7 +209,7 @@ def _in_process(config_yaml: str) -> int:
 TORCH_HANDLES = "SIGXCPU"
 
 
-def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
+def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path, checkpoint: CheckpointConfig) -> int:
     import logging
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -271,7 +271,7 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path) -> int:
     (control / "tmp").mkdir()
     tmp, tempfile.tempdir = tempfile.tempdir, str(control / "tmp")
     try:
-        with Supervisor(control, output_dir, plan.max_restarts):
+        with Supervisor(control, output_dir, plan.max_restarts, checkpoint.resume_from, checkpoint.init_from):
             elastic_launch(lc, worker_entry)(config_yaml)
         code = 0
     except WorkersReported:

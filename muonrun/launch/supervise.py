@@ -35,6 +35,7 @@ from pathlib import Path
 
 from muonrun import log
 from muonrun.checkpoint.stop import TERMINAL_SIGNALS, Quit, detach_from_terminal
+from muonrun.errors import UserError
 from muonrun.launch.worker import REPORTED, REPORTS
 
 
@@ -89,10 +90,19 @@ PEER_GRACE_S = 0.5
 
 
 class Supervisor:
-    """`with Supervisor(control, output_dir, max_restarts): elastic_launch(...)(...)`."""
+    """`with Supervisor(control, output_dir, max_restarts): elastic_launch(...)(...)`; `resume_from` and
+    `init_from`: the run's checkpoint settings, for the restart message."""
 
-    def __init__(self, control: Path, output_dir: Path, max_restarts: int):
+    def __init__(
+        self,
+        control: Path,
+        output_dir: Path,
+        max_restarts: int,
+        resume_from: str | None = None,
+        init_from: str | None = None,
+    ):
         self.control, self.output_dir, self.max_restarts = control, output_dir, max_restarts
+        self.resume_from, self.init_from = resume_from, init_from
         self.stopping = False  # the launcher stops the workers itself: their exits are not failures
         self._interrupts = 0
         self._stop_signal: int | None = None  # the stop request passed on to the workers, once
@@ -256,8 +266,6 @@ class Supervisor:
 
     def _failed(self, entry: dict, status: int, killed: bool) -> None:
         """A worker exited with an error: announce the restart the agent makes of it, once per attempt."""
-        from muonrun.checkpoint import published_checkpoints
-
         attempt = entry.get("attempt", 0)
         if not killed:  # often a peer's consequence (its collective lost a killed rank): let that one speak
             time.sleep(PEER_GRACE_S)
@@ -271,9 +279,25 @@ class Supervisor:
         if entry.get("failure") and not killed:
             how += f": {entry['failure']}"
         who = f"worker rank {entry['rank']}" if "rank" in entry else "a worker"
-        found = published_checkpoints(self.output_dir / "checkpoints")
-        resume = f"from {found[-1]}" if found else "from the start (no checkpoint yet)"
         log.warning(
             f"{who} failed ({how}); restarting the workers (restart {attempt + 1} of {self.max_restarts}), "
-            f"resuming {resume}."
+            f"{self._restart_point()}."
+        )
+
+    def _restart_point(self) -> str:
+        """What the restarted workers load first, by the checkpointer's own rule (`resume.load_order`): with
+        `resume_from`, its line's latest or itself, not the folder's newest checkpoint."""
+        from muonrun.checkpoint.resume import load_order
+
+        try:
+            order = load_order(self.resume_from, self.init_from, self.output_dir / "checkpoints")
+        except UserError:  # the restarted workers say why
+            order = []
+        if not order:
+            return "resuming from the start (no checkpoint yet)"
+        kind, path, _ = order[0]
+        return (
+            f"resuming from {path}"
+            if kind == "resume"
+            else f"starting from the weights of {path} (checkpoint.init_from)"
         )
