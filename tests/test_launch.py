@@ -11,6 +11,7 @@ N is written during step N+1, so a hang at step N leaves rows up to N-2.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -73,8 +74,13 @@ def start(out: Path, tmp: Path, log: Path, fault: str | None = None) -> subproce
 
 
 def spawned(proc: subprocess.Popen) -> int:
-    """How many child processes the launcher has (Linux: /proc)."""
-    return sum(len(f.read_text().split()) for f in Path(f"/proc/{proc.pid}/task").glob("*/children"))
+    """How many workers the launcher has spawned so far (Linux: /proc; multiprocessing's spawn_main)."""
+    children = [c for f in Path(f"/proc/{proc.pid}/task").glob("*/children") for c in f.read_text().split()]
+    workers = 0
+    for child in children:
+        with contextlib.suppress(OSError):
+            workers += b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+    return workers
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> tuple[int, str]:
