@@ -3,6 +3,7 @@ what they leave (losses, checkpoints), a tiny Qwen2, and launching a script on N
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,18 +31,26 @@ SMALL = [
 NORMUON = ("optimizer.name=muon", "optimizer.muon.variant=normuon")
 
 
-def muonrun(*args: str, fault: str | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+def cli_env(fault: str | None = None) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop(faults.ENV, None)
     if fault:
         env[faults.ENV] = fault
+    return env
+
+
+def muonrun(*args: str, fault: str | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "muonrun", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "muonrun", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(fault),
     )
 
 
-def pretrain(out: Path, *overrides: str, nproc: int = 2, fault: str | None = None, extra=()):
-    return muonrun(
+def pretrain_args(out: Path, *overrides: str, nproc: int = 2, extra=()) -> list[str]:
+    return [
         "pretrain",
         "tiny",
         f"output_dir={out}",
@@ -50,8 +59,21 @@ def pretrain(out: Path, *overrides: str, nproc: int = 2, fault: str | None = Non
         "--nproc-per-node",
         str(nproc),
         *extra,
-        fault=fault,
-    )
+    ]
+
+
+def pretrain(out: Path, *overrides: str, nproc: int = 2, fault: str | None = None, extra=()):
+    return muonrun(*pretrain_args(out, *overrides, nproc=nproc, extra=extra), fault=fault)
+
+
+def spawned_workers(pid: int) -> int:
+    """How many workers launcher `pid` has spawned so far (Linux: /proc; multiprocessing's spawn_main)."""
+    children = [c for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
+    workers = 0
+    for child in children:
+        with contextlib.suppress(OSError):
+            workers += b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+    return workers
 
 
 def losses(run: Path) -> dict[int, list[float]]:
