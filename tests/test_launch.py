@@ -61,7 +61,7 @@ def env(tmp: Path, fault: str | None = None) -> dict[str, str]:
 
 def start(out: Path, tmp: Path, log: Path, fault: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "muonrun", "pretrain", "tiny", f"output_dir={out}", *RUN]
-    return subprocess.Popen(  # its own process group, as a terminal's foreground job: the group gets Ctrl-C
+    return subprocess.Popen(  # its own process group, as a terminal's foreground job
         cmd,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
@@ -185,7 +185,7 @@ def test_one_writer_per_run_folder_workers_die_with_their_launcher_and_hup_and_q
     fourth = start(out, tmp, log4, fault="hang@15")
     wait_until(lambda: 13 in losses(out), fourth, log4)
     saved = tree(out / "checkpoints")
-    os.killpg(fourth.pid, signal.SIGQUIT)  # Ctrl-\\ in a terminal: to every process of the job
+    os.killpg(fourth.pid, signal.SIGQUIT)  # Ctrl-\ in a terminal: to every process of the job
     code, text = finish(fourth, log4)
     assert code == 131, text[-3000:]
     assert "got SIGQUIT: stopping the workers now, without saving" in text and "stopped by SIGQUIT" in text
