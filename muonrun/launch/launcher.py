@@ -148,7 +148,7 @@ def launch(cfg: Config) -> int:
     from muonrun.data import check_data
     from muonrun.distributed import check_device, pick_device_type
     from muonrun.features import enabled
-    from muonrun.model.build import check_model, check_router_losses
+    from muonrun.model.build import check_model
     from muonrun.optim.build import check_optimizer
     from muonrun.optim.groups import split_params
 
@@ -163,8 +163,9 @@ def launch(cfg: Config) -> int:
         feature.check(device_type)
     check_optimizer(cfg.optimizer, device_type)
     tokenizer = check_data(cfg)
-    model = check_model(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features)
-    check_router_losses(cfg.train.router_z_loss_coef, model.config)
+    model = check_model(
+        cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features, cfg.train.router_z_loss_coef
+    )
     if cfg.optimizer.name == "muon":  # its patterns against the (meta) model's parameters
         split_params(model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns)
     config_yaml = to_yaml(cfg)

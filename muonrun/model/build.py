@@ -185,15 +185,21 @@ def meta_safe_experts(model: nn.Module):
 
 
 def check_model(
-    m: ModelConfig, vocab_size: int | None = None, seq_len: int = 8, features: list[Feature] = ()
+    m: ModelConfig,
+    vocab_size: int | None = None,
+    seq_len: int = 8,
+    features: list[Feature] = (),
+    router_z_loss_coef: float = 0.0,
 ) -> nn.Module:
     """Build the model on the meta device and run one forward there (shapes only, no memory, no
     GPU): an architecture that cannot run with these settings (query heads not a multiple of key/value
-    heads, say) fails here, before any worker starts, naming the settings. Returns the meta model
-    (its HF config is `.config`)."""
+    heads, say) fails here, before any worker starts, naming the settings; so does a router z-loss
+    (`train.router_z_loss_coef`) for a model without routers. Returns the meta model (its HF config is
+    `.config`)."""
     hf = build_hf_config(m, vocab_size)
     check_positions(hf, seq_len)
     check_experts(hf)
+    check_router_losses(router_z_loss_coef, hf)
     model = build_model(m, hf, features)
     decoder_layers(model)  # what the workers shard one by one
     with torch.device("meta"), meta_safe_experts(model):

@@ -166,7 +166,7 @@ def tokenizer_vocab(c) -> tuple[int | None, str]:
 def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.features import enabled, flops_per_token
     from muonrun.launch.launcher import default_nproc
-    from muonrun.model.build import check_model, check_router_losses, count_params
+    from muonrun.model.build import check_model, count_params
     from muonrun.model.build import flops_per_token as model_flops_per_token
     from muonrun.optim.experts import matrices_per_expert
     from muonrun.optim.groups import split_params
@@ -181,8 +181,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     replicate, shard = mesh_shape(cfg, world, how)
     vocab, tokenizer = tokenizer_vocab(cfg)
     features = enabled(cfg)
-    model = check_model(cfg.model, vocab, cfg.data.seq_len, features)
-    check_router_losses(cfg.train.router_z_loss_coef, model.config)
+    model = check_model(cfg.model, vocab, cfg.data.seq_len, features, cfg.train.router_z_loss_coef)
     hf = model.config
     params = count_params(model)
     split = split_params(
