@@ -116,7 +116,8 @@ def pretrain(
     dry_run: Annotated[
         bool,
         typer.Option(
-            "--dry-run", help="Validate the config, build the model on the meta device, print the plan."
+            "--dry-run",
+            help="Validate the config, check the data, build the model on the meta device, print the plan.",
         ),
     ] = False,
     world_size: Annotated[

@@ -176,6 +176,29 @@ def test_every_preset_passes_dry_run(preset, tmp_path):
     assert "FLOPs/token" in out and "world size 8" in out
 
 
+def test_the_dry_run_checks_the_data_as_the_launch_does(tmp_path):
+    """A data mistake fails the dry run with the launcher's message (exit 2); with a tokenizer this
+    machine cannot load, the plan says the data went unchecked instead of failing."""
+    ok = runner.invoke(app, ["pretrain", "tiny", "--dry-run"])
+    assert ok.exit_code == 0, ok.output
+    assert "data 1 train source(s), 1 eval source(s), checked as the launch checks them" in " ".join(
+        ok.output.split()
+    )
+    body = tmp_path / "c.jsonl"
+    body.write_text('{"body": "some text"}\n')
+    for path, message in (
+        (body, "'data.sources.0.text_field' is 'text', but"),
+        (tmp_path / "nope.jsonl", "'data.sources.0.path'"),
+    ):
+        bad = runner.invoke(app, ["pretrain", "tiny", "--dry-run", f"data.sources.0.path={path}"])
+        out = " ".join(bad.output.split())
+        assert bad.exit_code == 2 and message in out and "Traceback" not in out, bad.output
+    unloadable = ["data.tokenizer=no-such-org/no-such-tokenizer", f"data.sources.0.path={body}"]
+    planned = runner.invoke(app, ["pretrain", "tiny", "--dry-run", *unloadable])
+    assert planned.exit_code == 0, planned.output
+    assert "data not checked (the tokenizer is not loadable here)" in " ".join(planned.output.split())
+
+
 def test_dry_run_plans_a_large_world_and_counts_qwen2():
     result = runner.invoke(app, ["pretrain", "qwen2-muon-fsdp2", "--dry-run", "--world-size", "256"])
     assert result.exit_code == 0, result.output

@@ -225,14 +225,16 @@ def _tokenizer_name(cfg) -> str:
     return cfg.data.tokenizer
 
 
-def check_data(cfg):
-    """Cheap validation in the launcher before workers start: sources, columns, tokenizer. Raises
-    UserError; returns the tokenizer."""
+def check_data(cfg, tok=None):
+    """Cheap validation before workers start (the launcher, and the dry run): sources, columns,
+    tokenizer (``tok``: one already built from ``data.tokenizer``). Raises UserError; returns the
+    tokenizer."""
     from muonrun.data.cache import cached_entry, check_entry, datasets_cache
     from muonrun.data.sources import check_source
     from muonrun.data.tokenizer import build_tokenizer
 
-    tok = build_tokenizer(_tokenizer_name(cfg))
+    if tok is None:
+        tok = build_tokenizer(_tokenizer_name(cfg))
     check_cache_folder(cfg.data)
     if cfg.data.shuffle_buffer < 1:
         raise UserError(

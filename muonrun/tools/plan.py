@@ -151,16 +151,31 @@ def ns_symmetric(cfg: Config) -> bool:
     return quack_chosen(cfg.optimizer.muon.ns_products, pick_device_type(cfg))
 
 
-def tokenizer_vocab(c) -> tuple[int | None, str]:
-    """(vocabulary size, a line for the plan). A tokenizer this machine cannot load (a Hub id, offline)
-    is reported as unchecked instead of failing the plan: the launcher checks it before training."""
-    from muonrun.data import build_tokenizer
+def tokenizer_and_data(c) -> tuple[int | None, str, str]:
+    """(vocabulary size, the plan's tokenizer line, its data line). With a tokenizer this machine can
+    load, the data gets the launcher's own checks (``check_data``: the files exist, the text column is
+    there, the first record holds text, a Hub dataset is reachable), and a problem fails the plan as it
+    would fail the launch. A tokenizer this machine cannot load (a Hub id, offline) is reported as
+    unchecked instead, and so is the data: the launcher checks both before training."""
+    from muonrun.data import build_tokenizer, check_data
 
     try:
         tok = build_tokenizer(c.data.tokenizer)
     except UserError as e:
-        return None, f"{c.data.tokenizer}: not loadable here, vocabulary not checked ({str(e)[:120]}...)"
-    return tok.vocab_size, f"{c.data.tokenizer} ({tok.vocab_size:,} tokens, fits the model's vocabulary)"
+        return (
+            None,
+            f"{c.data.tokenizer}: not loadable here, vocabulary not checked ({str(e)[:120]}...)",
+            "not checked (the tokenizer is not loadable here)",
+        )
+    check_data(c, tok)
+    counts = f"{len(c.data.sources)} train source(s)" + (
+        f", {len(c.data.eval_sources)} eval source(s)" if c.data.eval_sources else ""
+    )
+    return (
+        tok.vocab_size,
+        f"{c.data.tokenizer} ({tok.vocab_size:,} tokens, fits the model's vocabulary)",
+        f"{counts}, checked as the launch checks them",
+    )
 
 
 def plan_summary(cfg: Config, world_size: int | None) -> dict:
@@ -179,7 +194,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         raise UserError(f"--world-size {world} cannot be split evenly over --nnodes {nnodes}.")
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
     replicate, shard = mesh_shape(cfg, world, how)
-    vocab, tokenizer = tokenizer_vocab(cfg)
+    vocab, tokenizer, data = tokenizer_and_data(cfg)
     features = enabled(cfg)
     model = check_model(cfg.model, vocab, cfg.data.seq_len, features, cfg.train.router_z_loss_coef)
     hf = model.config
@@ -198,6 +213,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     return {
         "model": f"{hf.model_type} ({cfg.model.name_or_path or 'inline config'})",
         "tokenizer": tokenizer,
+        "data": data,
         "parameters": params,
         "muon_parameters": muon_params if cfg.optimizer.name == "muon" else 0,
         "flops_per_token": fpt,
@@ -242,6 +258,7 @@ def print_plan(cfg: Config, world_size: int | None) -> None:
     rows = [
         ("model", s["model"]),
         ("tokenizer", s["tokenizer"]),
+        ("data", s["data"]),
         (
             "parameters",
             f"{p['total']:,} ({p['embedding']:,} embedding, {p['non_embedding']:,} other)",
