@@ -134,6 +134,59 @@ def test_experts_go_to_muon_as_stacks_and_routers_and_gates_to_adamw():
     assert not any("experts" in n for n in names["muon"] + names["other"])
 
 
+def test_muon_refuses_experts_laid_out_otherwise_than_it_splits_them(tmp_path):
+    """GPT-OSS declares its experts [E, in, out] with gate and up interleaved; Llama4 declares nothing
+    but stores down_proj [E, I, H]. Muon would orthogonalise the wrong matrices, so a Muon run refuses
+    them (the module, its parameters and the fix), before any worker starts, while AdamW's split and
+    one with the experts on AdamW take them."""
+    from transformers import AutoModelForCausalLM, GptOssConfig, Llama4TextConfig
+    from typer.testing import CliRunner
+
+    from muonrun.cli import app
+    from muonrun.optim import split_for_muon
+
+    assert split_for_muon(moe_model()).experts  # Qwen2-MoE: the layout Muon splits
+    sizes = dict(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, vocab_size=128, intermediate_size=48)
+    configs = {
+        "GptOssExperts": (GptOssConfig(**sizes, **moe), "stores each expert's matrices transposed"),
+        "Llama4TextExperts": (Llama4TextConfig(**sizes, **moe, intermediate_size_mlp=96), "transposed"),
+    }
+    for cls, (config, problem) in configs.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        with pytest.raises(UserError) as refused:
+            split_for_muon(model)
+        message = " ".join(str(refused.value).split())
+        assert f"experts of {cls}" in message and problem in message, message
+        assert "gate_up_proj, down_proj" in message and "adamw_patterns=['*.experts.*']" in message
+        assert split_params(model).experts  # AdamW steps them whatever their layout
+        split = split_for_muon(model, adamw_patterns=["*.experts.*"])
+        assert not split.experts and any(n.endswith("experts.down_proj") for n in split.names()["other"])
+
+    config = tmp_path / "oss.yaml"
+    config.write_text(
+        "model: {architecture: gpt_oss, attn_implementation: eager, hf: {vocab_size: 320, hidden_size: 64, "
+        "intermediate_size: 48, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, "
+        "head_dim: 16, num_local_experts: 4, num_experts_per_tok: 2}}\n"
+        "data: {sources: [{path: '${stdlib:}/json/*.py'}], tokenizer: byte, seq_len: 64}\n"
+        f"optimizer: {{name: muon}}\noutput_dir: {tmp_path / 'run'}\n"
+    )
+    for args in ([], ["--dry-run"]):  # the launcher's own check, and the plan's
+        result = CliRunner().invoke(app, ["pretrain", str(config), *args])
+        out = " ".join(result.output.split())
+        assert result.exit_code == 2 and "experts of GptOssExperts" in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()  # refused before the run folder was touched
+    planned = CliRunner().invoke(
+        app, ["pretrain", str(config), "--dry-run", "optimizer.muon.adamw_patterns=['*.experts.*']"]
+    )
+    assert planned.exit_code == 0 and "params in Muon" in planned.output, (
+        planned.output
+    )  # no moe_intermediate_size
+
+
 @pytest.mark.slow
 def test_muon_on_experts_matches_torch_muon_per_expert_matrix():
     """One 3-rank gloo launch: 2, 3, 4 and 5 experts (a rank with none, even, uneven), Muon against

@@ -154,6 +154,12 @@ def expert_load(router_logits: tuple[Tensor, ...], top_k: int) -> dict[str, Tens
     return values
 
 
+def expert_width(hf_config) -> int:
+    """One routed expert's intermediate size: ``moe_intermediate_size`` where the family has it (Qwen2-MoE,
+    DeepSeek), else ``intermediate_size`` (Mixtral, GPT-OSS)."""
+    return getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+
+
 def active_matmul_params(hf_config) -> int | None:
     """Matmul weights one token passes through in the MLPs of all layers (top-k routed experts, the
     shared expert and its gate, the router; dense MLPs in layers that have no experts), or None for a
@@ -162,7 +168,7 @@ def active_matmul_params(hf_config) -> int | None:
         return None
     h = hf_config.hidden_size
     layers = hf_config.num_hidden_layers
-    moe_inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    moe_inter = expert_width(hf_config)
     shared = getattr(hf_config, "shared_expert_intermediate_size", None) or 0
     step = getattr(hf_config, "decoder_sparse_step", None) or 1
     dense_only = set(getattr(hf_config, "mlp_only_layers", None) or [])

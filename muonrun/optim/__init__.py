@@ -4,7 +4,7 @@
   orthogonalised once per shard group; same arguments and results as ``torch.optim.Muon``;
   ``variant="normuon"`` is NorMuon (rows normalised after Newton–Schulz).
 - ``AdamW`` (``muonrun.optim.adamw``): ``torch.optim.AdamW`` stepping the local shards.
-- ``split_params`` (``muonrun.optim.groups``): which parameters Muon may touch (hidden matrices,
+- ``split_params`` (``muonrun.optim.groups``; ``split_for_muon`` also checks the experts' layout): which parameters Muon may touch (hidden matrices,
   by module and name; a mixture of experts' stacked expert weights in ``split.experts``, for a Muon
   group with ``matrices_per_expert``: ``muonrun.optim.experts``) and which go to AdamW (embeddings,
   LM head, routers, norms, biases).
@@ -48,7 +48,7 @@ These are the ``qwen2-muon-fsdp2`` preset's values: Muon's lr 0.02 suits its def
 """
 
 from muonrun.optim.adamw import AdamW
-from muonrun.optim.groups import ParamSplit, split_params
+from muonrun.optim.groups import ParamSplit, split_for_muon, split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
@@ -69,5 +69,6 @@ __all__ = [
     "newton_schulz",
     "newton_schulz_flops",
     "resolve_ns_coefficients",
+    "split_for_muon",
     "split_params",
 ]

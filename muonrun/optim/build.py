@@ -17,7 +17,7 @@ from muonrun.config import OptimizerConfig
 from muonrun.errors import UserError
 from muonrun.optim.adamw import AdamW
 from muonrun.optim.experts import matrices_per_expert
-from muonrun.optim.groups import split_params
+from muonrun.optim.groups import split_for_muon, split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
 from muonrun.optim.ns_products import TORCH_PRODUCTS, Products, quack_chosen, quack_installed
@@ -71,7 +71,7 @@ def products_for(name: str, device_type: str) -> Products:
 def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
     """Muon for the hidden matrices; AdamW, with optimizer.lr/betas/eps/weight_decay, for the rest."""
     m = o.muon
-    split = split_params(model, muon_patterns=m.muon_patterns, adamw_patterns=m.adamw_patterns)
+    split = split_for_muon(model, m.muon_patterns, m.adamw_patterns)
     weight_decay = m.weight_decay if m.weight_decay is not None else o.weight_decay
     # Stacked experts: one group per number of matrices in an expert's slice (2 for a fused gate_up_proj).
     by_count: dict[int, list] = {}

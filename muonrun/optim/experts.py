@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
+from muonrun.errors import UserError
 from muonrun.optim.fused import with_row_factors
 from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale, uses_gram_form
 from muonrun.optim.settings import NSSettings
@@ -32,6 +33,46 @@ def is_experts_module(module: nn.Module) -> bool:
     """A module holding stacked expert weights ([E, out, in] parameters): transformers names them
     `*Experts` (`Qwen2MoeExperts`, `MixtralExperts`, ...)."""
     return type(module).__name__.endswith("Experts")
+
+
+def layout_problem(module: nn.Module) -> str | None:
+    """Why Muon cannot step a ``*Experts`` module's stacked parameters as ``[E, out, in]`` matrices (gate
+    and up concatenated along dim 1 in ``gate_up_proj``), or None when it can. transformers declares
+    the layout on modules it wraps with ``use_experts_implementation`` (``is_transposed``,
+    ``is_concatenated``: GPT-OSS stores ``[E, in, out]`` with gate and up interleaved); an undeclared
+    module (Llama4's) counts as transposed when its ``down_proj`` is ``[E, I, H]``."""
+    transposed = getattr(module, "is_transposed", None)
+    down = getattr(module, "down_proj", None)
+    hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None)
+    if transposed is None and isinstance(down, Tensor) and down.ndim == 3 and down.shape[1] != down.shape[2]:
+        transposed = down.shape[2] == hidden  # [E, I, H]: each expert's down projection stored (in, out)
+    if transposed:
+        return "stores each expert's matrices transposed, [E, in, out]"
+    if getattr(module, "is_concatenated", True) is False and isinstance(
+        getattr(module, "gate_up_proj", None), Tensor
+    ):
+        return "interleaves the gate's and the up projection's rows in gate_up_proj"
+    return None
+
+
+def check_layouts(model: nn.Module, experts: Sequence[tuple[str, Tensor]]) -> None:
+    """UserError naming the first ``*Experts`` module class whose parameters in ``experts`` (the ones
+    Muon is to step) are not laid out as Muon splits them (``layout_problem``)."""
+    ids = {id(p) for _, p in experts}
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        mine = [n for n, p in module.named_parameters(recurse=False) if id(p) in ids]
+        problem = layout_problem(module) if mine else None
+        if problem:
+            raise UserError(
+                f"Muon cannot step the stacked experts of {type(module).__name__} ({name}: {', '.join(mine)}): "
+                f"it {problem}, while Muon splits each expert's [E, out, in] slice into its matrices (the "
+                "layout of Qwen2-MoE, Mixtral, DeepSeek and most transformers MoE families); orthogonalising "
+                "this one would be silently wrong. Put these experts on AdamW with "
+                "optimizer.muon.adamw_patterns=['*.experts.*'] (Muon keeps the other matrices), or train "
+                "with optimizer.name=adamw."
+            )
 
 
 def matrices_per_expert(param_name: str) -> int:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from muonrun.errors import UserError
-from muonrun.optim.experts import is_experts_module
+from muonrun.optim.experts import check_layouts, is_experts_module
 
-__all__ = ["ParamSplit", "clean_param_name", "split_params"]
+__all__ = ["ParamSplit", "clean_param_name", "split_for_muon", "split_params"]
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -206,6 +206,18 @@ def split_params(
                 f"like {examples}... Fix the pattern (fnmatch wildcards, e.g. '*self_attn.q_proj.weight') or "
                 "drop it."
             )
+    return split
+
+
+def split_for_muon(
+    model: nn.Module,
+    muon_patterns: Iterable[str] | None = None,
+    adamw_patterns: Iterable[str] | None = None,
+) -> ParamSplit:
+    """``split_params`` for a Muon run: also raises UserError where Muon's stacked experts are laid out
+    otherwise than it splits them (``experts.check_layouts``)."""
+    split = split_params(model, muon_patterns, adamw_patterns)
+    check_layouts(model, split.experts)
     return split
 
 

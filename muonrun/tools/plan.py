@@ -63,12 +63,12 @@ def activation_gib(hf, c, param_bytes: int) -> float:
 def mlp_width(hf) -> int | None:
     """An MoE layer's MLP width per token for activations: top-k routed experts, the shared expert and
     the gathered copies of the tokens each expert runs (about one more width); None for a dense model."""
-    from muonrun.model.moe import experts_per_token, is_moe
+    from muonrun.model.moe import expert_width, experts_per_token, is_moe
 
     if not is_moe(hf):
         return None
     shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
-    return experts_per_token(hf) * (hf.moe_intermediate_size + hf.hidden_size // 2) + shared
+    return experts_per_token(hf) * (expert_width(hf) + hf.hidden_size // 2) + shared
 
 
 def expert_ns_flops(
@@ -184,7 +184,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.model.build import check_model, count_params
     from muonrun.model.build import flops_per_token as model_flops_per_token
     from muonrun.optim.experts import matrices_per_expert
-    from muonrun.optim.groups import split_params
+    from muonrun.optim.groups import split_for_muon, split_params
 
     nnodes = cfg.launch.nnodes
     world = default_nproc(cfg) * nnodes if world_size is None else world_size
@@ -199,10 +199,8 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     model = check_model(cfg.model, vocab, cfg.data.seq_len, features, cfg.train.router_z_loss_coef)
     hf = model.config
     params = count_params(model)
-    split = split_params(
-        model,
-        muon_patterns=cfg.optimizer.muon.muon_patterns,
-        adamw_patterns=cfg.optimizer.muon.adamw_patterns,
+    split = (split_for_muon if cfg.optimizer.name == "muon" else split_params)(
+        model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns
     )
     muon_params = sum(p.numel() for _, p in split.muon + split.experts)
     tokens_per_step = cfg.tokens_per_step(world)
