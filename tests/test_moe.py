@@ -166,6 +166,19 @@ def test_muon_refuses_experts_laid_out_otherwise_than_it_splits_them(tmp_path):
         split = split_for_muon(model, adamw_patterns=["*.experts.*"])
         assert not split.experts and any(n.endswith("experts.down_proj") for n in split.names()["other"])
 
+    from muonrun.optim.experts import layout_problem
+
+    class SquareExperts(torch.nn.Module):  # undeclared, I == H: down_proj cannot tell, gate_up_proj can
+        def __init__(self, transposed: bool) -> None:
+            super().__init__()
+            self.hidden_size = 8
+            self.gate_up_proj = torch.nn.Parameter(torch.empty((4, 8, 16) if transposed else (4, 16, 8)))
+            self.down_proj = torch.nn.Parameter(torch.empty(4, 8, 8))
+
+    assert layout_problem(SquareExperts(False)) is None and "transposed" in layout_problem(
+        SquareExperts(True)
+    )
+
     config = tmp_path / "oss.yaml"
     config.write_text(
         "model: {architecture: gpt_oss, attn_implementation: eager, hf: {vocab_size: 320, hidden_size: 64, "

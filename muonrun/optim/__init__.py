@@ -4,10 +4,10 @@
   orthogonalised once per shard group; same arguments and results as ``torch.optim.Muon``;
   ``variant="normuon"`` is NorMuon (rows normalised after Newton–Schulz).
 - ``AdamW`` (``muonrun.optim.adamw``): ``torch.optim.AdamW`` stepping the local shards.
-- ``split_params`` (``muonrun.optim.groups``; ``split_for_muon`` also checks the experts' layout): which parameters Muon may touch (hidden matrices,
+- ``split_params`` (``muonrun.optim.groups``): which parameters Muon may touch (hidden matrices,
   by module and name; a mixture of experts' stacked expert weights in ``split.experts``, for a Muon
   group with ``matrices_per_expert``: ``muonrun.optim.experts``) and which go to AdamW (embeddings,
-  LM head, routers, norms, biases).
+  LM head, routers, norms, biases); ``split_for_muon`` also refuses experts laid out otherwise.
 - ``newton_schulz`` and friends (``muonrun.optim.newton_schulz``): the orthogonalisation itself.
 
 The CLI builds these from the config through ``muonrun.optim.build``; this package does not read

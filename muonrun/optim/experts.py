@@ -40,19 +40,27 @@ def layout_problem(module: nn.Module) -> str | None:
     and up concatenated along dim 1 in ``gate_up_proj``), or None when it can. transformers declares
     the layout on modules it wraps with ``use_experts_implementation`` (``is_transposed``,
     ``is_concatenated``: GPT-OSS stores ``[E, in, out]`` with gate and up interleaved); an undeclared
-    module (Llama4's) counts as transposed when its ``down_proj`` is ``[E, I, H]``."""
-    transposed = getattr(module, "is_transposed", None)
-    down = getattr(module, "down_proj", None)
-    hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None)
-    if transposed is None and isinstance(down, Tensor) and down.ndim == 3 and down.shape[1] != down.shape[2]:
-        transposed = down.shape[2] == hidden  # [E, I, H]: each expert's down projection stored (in, out)
-    if transposed:
+    one (Llama4's) is read from where its hidden size sits in ``down_proj`` or ``gate_up_proj``."""
+    if _stored_transposed(module):
         return "stores each expert's matrices transposed, [E, in, out]"
     if getattr(module, "is_concatenated", True) is False and isinstance(
         getattr(module, "gate_up_proj", None), Tensor
     ):
         return "interleaves the gate's and the up projection's rows in gate_up_proj"
     return None
+
+
+def _stored_transposed(module: nn.Module) -> bool:
+    declared = getattr(module, "is_transposed", None)
+    if declared is not None:
+        return bool(declared)
+    hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None)
+    for name, out_is_hidden in (("down_proj", True), ("gate_up_proj", False)):
+        p = getattr(module, name, None)
+        if isinstance(p, Tensor) and p.ndim == 3 and p.shape[1] != p.shape[2] and hidden in p.shape[1:]:
+            # [E, out, in]: the hidden size is down_proj's out (dim 1) and gate_up_proj's in (dim 2)
+            return (p.shape[1] == hidden) != out_is_hidden
+    return False
 
 
 def check_layouts(model: nn.Module, experts: Sequence[tuple[str, Tensor]]) -> None:
