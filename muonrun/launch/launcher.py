@@ -150,7 +150,7 @@ def launch(cfg: Config) -> int:
     from muonrun.features import enabled
     from muonrun.model.build import check_model
     from muonrun.optim.build import check_optimizer
-    from muonrun.optim.groups import split_for_muon
+    from muonrun.optim.groups import split_params
 
     check_device(cfg)
     check_fault_spec()
@@ -166,8 +166,8 @@ def launch(cfg: Config) -> int:
     model = check_model(
         cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features, cfg.train.router_z_loss_coef
     )
-    if cfg.optimizer.name == "muon":  # its patterns and the experts' layout against the (meta) model
-        split_for_muon(model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns)
+    if cfg.optimizer.name == "muon":  # its patterns against the (meta) model's parameters
+        split_params(model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns)
     config_yaml = to_yaml(cfg)
     out = Path(cfg.output_dir)
     check_run_folder(out)  # before anything is created there

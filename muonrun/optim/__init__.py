@@ -7,7 +7,7 @@
 - ``split_params`` (``muonrun.optim.groups``): which parameters Muon may touch (hidden matrices,
   by module and name; a mixture of experts' stacked expert weights in ``split.experts``, for a Muon
   group with ``matrices_per_expert``: ``muonrun.optim.experts``) and which go to AdamW (embeddings,
-  LM head, routers, norms, biases); ``split_for_muon`` also refuses experts laid out otherwise.
+  LM head, routers, norms, biases).
 - ``newton_schulz`` and friends (``muonrun.optim.newton_schulz``): the orthogonalisation itself.
 
 The CLI builds these from the config through ``muonrun.optim.build``; this package does not read
@@ -48,7 +48,7 @@ These are the ``qwen2-muon-fsdp2`` preset's values: Muon's lr 0.02 suits its def
 """
 
 from muonrun.optim.adamw import AdamW
-from muonrun.optim.groups import ParamSplit, split_for_muon, split_params
+from muonrun.optim.groups import ParamSplit, split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
@@ -69,6 +69,5 @@ __all__ = [
     "newton_schulz",
     "newton_schulz_flops",
     "resolve_ns_coefficients",
-    "split_for_muon",
     "split_params",
 ]

@@ -16,8 +16,7 @@ from torch import nn
 from muonrun.config import OptimizerConfig
 from muonrun.errors import UserError
 from muonrun.optim.adamw import AdamW
-from muonrun.optim.experts import matrices_per_expert
-from muonrun.optim.groups import split_for_muon, split_params
+from muonrun.optim.groups import split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
 from muonrun.optim.ns_products import TORCH_PRODUCTS, Products, quack_chosen, quack_installed
@@ -71,14 +70,15 @@ def products_for(name: str, device_type: str) -> Products:
 def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
     """Muon for the hidden matrices; AdamW, with optimizer.lr/betas/eps/weight_decay, for the rest."""
     m = o.muon
-    split = split_for_muon(model, m.muon_patterns, m.adamw_patterns)
+    split = split_params(model, muon_patterns=m.muon_patterns, adamw_patterns=m.adamw_patterns)
     weight_decay = m.weight_decay if m.weight_decay is not None else o.weight_decay
-    # Stacked experts: one group per number of matrices in an expert's slice (2 for a fused gate_up_proj).
-    by_count: dict[int, list] = {}
+    # Stacked experts: one group per layout (matrices per expert slice, 2 for a fused gate_up_proj; stored
+    # [E, out, in] or [E, in, out]; gate and up apart or interleaved).
+    by_layout: dict = {}
     for name, p in split.experts:
-        by_count.setdefault(matrices_per_expert(name), []).append(p)
+        by_layout.setdefault(split.expert_layouts[name], []).append(p)
     groups = [{"params": [p for _, p in split.muon], "peak_lr": m.lr}]
-    groups += [{"params": ps, "peak_lr": m.lr, "matrices_per_expert": k} for k, ps in by_count.items()]
+    groups += [{"params": ps, "peak_lr": m.lr, **layout.group_keys()} for layout, ps in by_layout.items()]
     muon = Muon(
         [g for g in groups if g["params"]] or groups[:1],
         lr=m.lr,

@@ -1,6 +1,12 @@
 """Muon on stacked expert weights: a mixture-of-experts layer's ``[E, out, in]`` parameter is a batch of
 E matrices (or 2E with a fused gate/up projection), each orthogonalised on its own.
 
+Where transformers stores them otherwise (``ExpertLayout``: GPT-OSS, Llama4 and Aria keep
+``[E, in, out]``, GPT-OSS with gate and up interleaved), Muon reads and writes them through a strided
+view ``[E, k, out, in]`` of the parameter, its gradient and its momentum, so every matrix is orthogonalised,
+scaled (``adjust_lr``) and row-normalised (NorMuon: one entry per output neuron) as the same
+``[out, in]`` weight would be in the usual layout.
+
 FSDP2 shards dim 0, the expert dimension (``torch.chunk`` layout: ``ceil(E / W)`` experts per rank,
 the last ranks fewer or none), so a rank's local shard is a set of whole experts and the rank that
 holds an expert runs its Newton–Schulz: no exchange, unlike the row-sharded 2-D matrices
@@ -11,13 +17,13 @@ through the same elementwise passes as the 2-D matrices (``muonrun.optim.fused``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
-from muonrun.errors import UserError
 from muonrun.optim.fused import with_row_factors
 from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale, uses_gram_form
 from muonrun.optim.settings import NSSettings
@@ -35,19 +41,59 @@ def is_experts_module(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Experts")
 
 
-def layout_problem(module: nn.Module) -> str | None:
-    """Why Muon cannot step a ``*Experts`` module's stacked parameters as ``[E, out, in]`` matrices (gate
-    and up concatenated along dim 1 in ``gate_up_proj``), or None when it can. transformers declares
-    the layout on modules it wraps with ``use_experts_implementation`` (``is_transposed``,
-    ``is_concatenated``: GPT-OSS stores ``[E, in, out]`` with gate and up interleaved); an undeclared
-    one (Llama4's) is read from where its hidden size sits in ``down_proj`` or ``gate_up_proj``."""
-    if _stored_transposed(module):
-        return "stores each expert's matrices transposed, [E, in, out]"
-    if getattr(module, "is_concatenated", True) is False and isinstance(
-        getattr(module, "gate_up_proj", None), Tensor
-    ):
-        return "interleaves the gate's and the up projection's rows in gate_up_proj"
-    return None
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a stacked expert parameter holds its experts' ``[out, in]`` matrices. A Muon param group of
+    stacked experts carries it as ``matrices_per_expert``, ``experts_transposed`` and
+    ``experts_interleaved`` (``group_keys``)."""
+
+    matrices: int = 1
+    """Matrices per expert: 2 for a fused ``gate_up_proj`` (the gate's and the up projection's)."""
+    transposed: bool = False
+    """Stored ``[E, in, out]`` (GPT-OSS, Llama4, Aria), else ``[E, out, in]`` (Qwen2-MoE, Mixtral, DeepSeek)."""
+    interleaved: bool = False
+    """A fused projection's matrices alternate along ``out`` (GPT-OSS: gate, up, gate, ...), else they
+    follow one another."""
+
+    def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        """``(out, in)`` of one matrix of a parameter (or local shard) of ``shape`` ``[E, a, b]``."""
+        out, fan_in = (shape[2], shape[1]) if self.transposed else (shape[1], shape[2])
+        return out // self.matrices, fan_in
+
+    def matrices_of(self, T: Tensor) -> Tensor:
+        """``T`` (shaped like the parameter or its local shard, ``[E', a, b]``) as a view ``[E', k, out,
+        in]`` of its matrices: contiguous in the usual layout, strided in the others."""
+        M = T.mT if self.transposed else T
+        k = self.matrices
+        if self.interleaved:
+            return M.unflatten(1, (M.shape[1] // k, k)).transpose(1, 2)
+        return M.unflatten(1, (k, M.shape[1] // k))
+
+    def group_keys(self) -> dict:
+        return {
+            "matrices_per_expert": self.matrices,
+            "experts_transposed": self.transposed,
+            "experts_interleaved": self.interleaved,
+        }
+
+    @classmethod
+    def of_group(cls, group: dict) -> ExpertLayout:
+        """The layout a param group of stacked experts declares (``group_keys``; the usual one by default)."""
+        return cls(
+            group["matrices_per_expert"],
+            bool(group.get("experts_transposed", False)),
+            bool(group.get("experts_interleaved", False)),
+        )
+
+
+def expert_layout(module: nn.Module, param_name: str) -> ExpertLayout:
+    """The layout of the stacked parameter ``param_name`` of a ``*Experts`` module. transformers declares
+    it on modules it wraps with ``use_experts_implementation`` (``is_transposed``, ``is_concatenated``);
+    an undeclared one (Llama4's) is read from where its hidden size sits in ``down_proj`` or
+    ``gate_up_proj``."""
+    k = matrices_per_expert(param_name)
+    interleaved = k > 1 and getattr(module, "is_concatenated", True) is False
+    return ExpertLayout(k, _stored_transposed(module), interleaved)
 
 
 def _stored_transposed(module: nn.Module) -> bool:
@@ -63,39 +109,19 @@ def _stored_transposed(module: nn.Module) -> bool:
     return False
 
 
-def check_layouts(model: nn.Module, experts: Sequence[tuple[str, Tensor]]) -> None:
-    """UserError naming the first ``*Experts`` module class whose parameters in ``experts`` (the ones
-    Muon is to step) are not laid out as Muon splits them (``layout_problem``)."""
-    ids = {id(p) for _, p in experts}
-    for name, module in model.named_modules():
-        if not is_experts_module(module):
-            continue
-        mine = [n for n, p in module.named_parameters(recurse=False) if id(p) in ids]
-        problem = layout_problem(module) if mine else None
-        if problem:
-            raise UserError(
-                f"Muon cannot step the stacked experts of {type(module).__name__} ({name}: {', '.join(mine)}): "
-                f"it {problem}, while Muon splits each expert's [E, out, in] slice into its matrices (the "
-                "layout of Qwen2-MoE, Mixtral, DeepSeek and most transformers MoE families); orthogonalising "
-                "this one would be silently wrong. Put these experts on AdamW with "
-                "optimizer.muon.adamw_patterns=['*.experts.*'] (Muon keeps the other matrices), or train "
-                "with optimizer.name=adamw."
-            )
-
-
 def matrices_per_expert(param_name: str) -> int:
     """How many matrices one expert's slice of a stacked parameter holds: 2 for transformers' fused
-    `gate_up_proj` ([2I, H]: the gate's [I, H] rows, then the up projection's), 1 otherwise."""
+    `gate_up_proj` (the gate's and the up projection's), 1 otherwise."""
     return 2 if param_name.rsplit(".", 1)[-1] == "gate_up_proj" else 1
 
 
-def check_stacked(p: Tensor, matrices_per_expert: int, name: str) -> None:
-    """A stacked parameter must split into equal matrices along dim 1 and be sharded on dim 0 alone."""
-    if matrices_per_expert < 1 or p.shape[1] % matrices_per_expert:
-        raise ValueError(
-            f"Muon: stacked parameter {name} cannot be split into {matrices_per_expert} matrices per "
-            "expert along dim 1"
-        )
+def check_stacked(p: Tensor, layout: ExpertLayout, name: str) -> None:
+    """A stacked parameter must split into ``layout.matrices`` equal matrices per expert and be sharded
+    on dim 0 alone."""
+    k = layout.matrices
+    out = p.shape[2] if layout.transposed else p.shape[1]
+    if k < 1 or out % k:
+        raise ValueError(f"Muon: stacked parameter {name} cannot be split into {k} matrices per expert")
     if DTensor is not None and isinstance(p, DTensor):
         local = local_tensor(p)
         if tuple(local.shape[1:]) != tuple(p.shape[1:]):
@@ -105,16 +131,18 @@ def check_stacked(p: Tensor, matrices_per_expert: int, name: str) -> None:
             )
 
 
-def expert_rows_like(p: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Zeros ``[E, out]``: one entry per row of every expert matrix of ``p`` ``[E, out, in]``, laid out
-    like ``p``'s experts (a DTensor with its mesh and placements, or a plain tensor), so DCP saves and
-    reshards it like the parameter."""
+def expert_rows_like(p: Tensor, layout: ExpertLayout, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Zeros ``[E, k * out]``: one entry per row (output neuron) of every expert matrix of ``p``, laid
+    out like ``p``'s experts (a DTensor with its mesh and placements, or a plain tensor), so DCP saves
+    and reshards it like the parameter."""
     local = local_tensor(p)
-    zeros = torch.zeros(local.shape[0], p.shape[1], dtype=dtype, device=local.device)
+    out, _ = layout.matrix_shape(p.shape)
+    rows = layout.matrices * out
+    zeros = torch.zeros(local.shape[0], rows, dtype=dtype, device=local.device)
     if DTensor is None or not isinstance(p, DTensor):
         return zeros
     return DTensor.from_local(
-        zeros, p.device_mesh, p.placements, shape=tuple(p.shape[:2]), stride=(p.shape[1], 1), run_check=False
+        zeros, p.device_mesh, p.placements, shape=(p.shape[0], rows), stride=(rows, 1), run_check=False
     )
 
 
@@ -137,29 +165,29 @@ def expert_chunks(stacked: Sequence[tuple[int, Tensor]], bucket_numel: int) -> l
 
 def chunk_shape(opt, chunk: Sequence[tuple[int, Tensor]]) -> tuple[int, int, int]:
     """``(matrices, rows, cols)`` of the Newton–Schulz stack of a chunk on this rank (no matrices where
-    it holds none of these experts)."""
-    e, out_dim, cols = local_tensor(chunk[0][1]).shape
-    k = opt.param_groups[chunk[0][0]]["matrices_per_expert"]
-    return len(chunk) * e * k, out_dim // k, cols
+    it holds none of these experts): each matrix ``[out, in]``, whatever the parameter's layout."""
+    layout = ExpertLayout.of_group(opt.param_groups[chunk[0][0]])
+    local = local_tensor(chunk[0][1])
+    return len(chunk) * local.shape[0] * layout.matrices, *layout.matrix_shape(local.shape)
 
 
 def stacked_momentum(opt, chunk: Sequence[tuple[int, Tensor]], s, X: Tensor | None = None) -> Tensor:
     """Step 1 of ``step_stacked``: momentum and the Nesterov look-ahead of a chunk (step settings ``s``)
     written in ``opt.ns_dtype`` into ``X`` (``chunk_shape``; a new one where None), which it returns."""
     gi = chunk[0][0]
+    layout = ExpertLayout.of_group(opt.param_groups[gi])
     params = [p for _, p in chunk]
-    bufs = [local_tensor(opt._momentum_buffer(p)) for p in params]
+    bufs = [layout.matrices_of(local_tensor(opt._momentum_buffer(p))) for p in params]
     grads = []
     for p in params:
         if p.grad.is_sparse:
             raise RuntimeError("Muon does not support sparse gradients")
-        grads.append(local_tensor(p.grad))
-    e, out_dim, cols = grads[0].shape
+        grads.append(layout.matrices_of(local_tensor(p.grad)))
     if X is None:
         X = torch.empty(chunk_shape(opt, chunk), dtype=opt.ns_dtype, device=grads[0].device)
-    updates = list(X.view(len(params), e, out_dim, cols).unbind(0))
+    updates = list(X.view(len(params), *grads[0].shape).unbind(0))
     opt._passes.momentum(
-        ("experts", gi, e, out_dim, cols, len(params)), bufs, grads, updates, s.momentum, s.nesterov
+        ("experts", gi, layout, *grads[0].shape, len(params)), bufs, grads, updates, s.momentum, s.nesterov
     )
     if opt._sums is not None:
         opt._sums.add(reduce_group(params[0]), "momentum", sum_of_squares(bufs))
@@ -171,23 +199,24 @@ def stacked_update(opt, chunk: Sequence[tuple[int, Tensor]], X: Tensor, s, scala
     ``scalars``: the step's ``settings.UpdateScalars``."""
     gi = chunk[0][0]
     group = opt.param_groups[gi]
+    layout = ExpertLayout.of_group(group)
     ns = NSSettings.of(group)
     params = [p for _, p in chunk]
-    locals_ = [local_tensor(p) for p in params]
-    e, out_dim, cols = locals_[0].shape
-    rows = out_dim // group["matrices_per_expert"]
-    updates = list(X.view(len(params), e, out_dim, cols).unbind(0))
+    locals_ = [layout.matrices_of(local_tensor(p)) for p in params]  # [E', k, out, in] each
+    shape = locals_[0].shape
+    rows, cols = shape[-2:]
+    updates = list(X.view(len(params), *shape).unbind(0))
     scaling = ns.scaling(opt._passes.scale, (rows, cols) if opt.fold_norm else None)
     if scaling is None:  # Frobenius: a pass of its own; AOL (or fold_norm) folds it into the first product
         opt._passes.normalize(X.view(X.shape[0], -1), rows, cols, ns.norm_scale, ns.eps)
     opt._newton_schulz(X, ns.per_step, scaling=scaling, out=X)
     row_factors = None
     if ns.normuon:
-        vs = [local_tensor(opt._second_moment(p)) for p in params]
+        vs = [local_tensor(opt._second_moment(p, layout)) for p in params]
         v = torch.cat([v.view(-1, rows) for v in vs])
         factor, v = normuon_row_scale(X, v, *ns.normuon)  # applied with the update (step 3)
         compat.foreach_copy_([v.view(-1, rows) for v in vs], list(v.view(len(params), -1, rows).unbind(0)))
-        row_factors = list(factor.view(len(params), e, out_dim).unbind(0))
+        row_factors = list(factor.view(len(params), *shape[:-1]).unbind(0))
     opt.stats["orthogonalized"] += X.shape[0]
     opt.stats["gram"] += X.shape[0] * (opt.gram and uses_gram_form((rows, cols), len(ns.per_step)))
     if opt._sums is not None:  # what the step changes, before it changes it
@@ -197,7 +226,7 @@ def stacked_update(opt, chunk: Sequence[tuple[int, Tensor]], X: Tensor, s, scala
         opt._sums.add(reduce_group(params[0]), "update", sum_of_squares(deltas))
     slots = [scalars.slots[(gi, rows, cols)]] * len(params)
     opt._passes.decay_and_update(
-        ("experts", gi, e, out_dim, cols, len(params)), locals_, updates, scalars.passed, slots, row_factors
+        ("experts", gi, layout, *shape, len(params)), locals_, updates, scalars.passed, slots, row_factors
     )
 
 
@@ -218,9 +247,10 @@ def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s, scalars) -> None:
         # No experts here. Their (empty) state still exists for DCP, and their zeros join telemetry's
         # all-reduce.
         bufs = [local_tensor(opt._momentum_buffer(p)) for _, p in chunk]
-        if NSSettings.of(opt.param_groups[chunk[0][0]]).normuon:
+        group = opt.param_groups[chunk[0][0]]
+        if NSSettings.of(group).normuon:
             for _, p in chunk:
-                opt._second_moment(p)
+                opt._second_moment(p, ExpertLayout.of_group(group))
         if opt._sums is not None:
             opt._sums.add(reduce_group(chunk[0][1]), "momentum", sum_of_squares(bufs))
         return

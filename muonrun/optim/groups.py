@@ -11,7 +11,8 @@ name, never by ``ndim`` alone:
 - ``lm_head``: the output projection's weight when it is not tied (found with
   ``model.get_output_embeddings()`` when the model has it, else by the module name ``lm_head``);
 - ``experts``: stacked expert weights of a mixture-of-experts layer (3-D ``[E, out, in]``
-  parameters of a ``*Experts`` module): Muon orthogonalises each expert's matrices on its own.
+  parameters of a ``*Experts`` module, or ``[E, in, out]``: ``expert_layouts``): Muon orthogonalises
+  each expert's matrices on its own. Their stacked biases (GPT-OSS's ``*_bias`` ``[E, out]``) are biases.
   The router (a ``*Router`` module's ``[E, H]`` weight) and the shared expert's gate (a one-output
   Linear named ``shared_expert_gate``) are classifiers and go to ``other`` (AdamW); the shared expert's Linears are hidden
   matrices like any other (``muon``);
@@ -36,9 +37,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from muonrun.errors import UserError
-from muonrun.optim.experts import check_layouts, is_experts_module
+from muonrun.optim.experts import ExpertLayout, expert_layout, is_experts_module
 
-__all__ = ["ParamSplit", "clean_param_name", "split_for_muon", "split_params"]
+__all__ = ["ParamSplit", "clean_param_name", "split_params"]
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -61,6 +62,8 @@ class ParamSplit:
     norm_bias: Named = field(default_factory=list)
     other: Named = field(default_factory=list)
     tied_lm_head: bool = False
+    expert_layouts: dict[str, ExpertLayout] = field(default_factory=dict)
+    """How each parameter in ``experts`` holds its matrices (``experts.ExpertLayout``), by name."""
 
     GROUPS = ("muon", "embedding", "lm_head", "experts", "norm_bias", "other")
 
@@ -166,8 +169,10 @@ def split_params(
                 f"(muon_patterns {muon_patterns}, adamw_patterns {adamw_patterns}): each parameter goes to one "
                 "optimizer. Narrow one of the two lists so that it no longer matches it."
             )
-        if forced_muon and p.ndim == 3 and module is not None and is_experts_module(module):
+        experts_module = module is not None and is_experts_module(module)
+        if forced_muon and p.ndim == 3 and experts_module:
             split.experts.append((name, p))
+            split.expert_layouts[name] = expert_layout(module, name)
         elif forced_muon:
             if p.ndim != 2:
                 raise UserError(
@@ -180,10 +185,11 @@ def split_params(
             split.embedding.append((name, p))
         elif id(p) == head_id:
             split.lm_head.append((name, p))
-        elif p.ndim < 2:
+        elif p.ndim < 2 or (experts_module and p.ndim == 2 and name.endswith("_bias")):  # GPT-OSS's [E, out]
             split.norm_bias.append((name, p))
-        elif p.ndim == 3 and module is not None and is_experts_module(module) and not forced_adamw:
+        elif p.ndim == 3 and experts_module and not forced_adamw:
             split.experts.append((name, p))
+            split.expert_layouts[name] = expert_layout(module, name)
         elif (
             isinstance(module, nn.Linear)
             and p is module.weight
@@ -206,18 +212,6 @@ def split_params(
                 f"like {examples}... Fix the pattern (fnmatch wildcards, e.g. '*self_attn.q_proj.weight') or "
                 "drop it."
             )
-    return split
-
-
-def split_for_muon(
-    model: nn.Module,
-    muon_patterns: Iterable[str] | None = None,
-    adamw_patterns: Iterable[str] | None = None,
-) -> ParamSplit:
-    """``split_params`` for a Muon run: also raises UserError where Muon's stacked experts are laid out
-    otherwise than it splits them (``experts.check_layouts``)."""
-    split = split_params(model, muon_patterns, adamw_patterns)
-    check_layouts(model, split.experts)
     return split
 
 

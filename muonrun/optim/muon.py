@@ -52,7 +52,9 @@ Stacked experts (mixture of experts)
 ------------------------------------
 A 3-D ``[E, out, in]`` parameter in a param group with ``matrices_per_expert`` set is a batch of
 expert matrices, each orthogonalised on its own on the rank that holds the expert, with no exchange
-(``muonrun.optim.experts`` says how; other 3-D parameters are refused).
+(``muonrun.optim.experts`` says how; ``experts_transposed`` and ``experts_interleaved`` describe the
+``[E, in, out]`` layouts of GPT-OSS and Llama4, ``experts.ExpertLayout``; other 3-D parameters are
+refused).
 
 Optimizer state is one ``momentum_buffer`` per matrix with the parameter's type and placement
 (AdamW keeps two), and for NorMuon a ``second_moment`` (fp32, one entry per row, a 1-D DTensor with
@@ -73,7 +75,14 @@ from torch import Tensor
 from muonrun import compat
 from muonrun.distributed import local_tensor, to_device
 from muonrun.optim.exchange import step_exchanged
-from muonrun.optim.experts import check_stacked, chunk_shape, expert_chunks, expert_rows_like, step_stacked
+from muonrun.optim.experts import (
+    ExpertLayout,
+    check_stacked,
+    chunk_shape,
+    expert_chunks,
+    expert_rows_like,
+    step_stacked,
+)
 from muonrun.optim.fused import Passes, with_row_factors
 from muonrun.optim.graphed import NO_LANES, Lanes, StepGraph
 from muonrun.optim.local import buffer_for, finish, finish_all, local_units, start
@@ -224,7 +233,11 @@ class Muon(torch.optim.Optimizer):
             "beta2": beta2,
             "normuon_eps": normuon_eps,
             "precondition": precondition,
-            "matrices_per_expert": None,  # set in a group of stacked experts: 1, or 2 for gate_up_proj
+            # set in a group of stacked experts (experts.ExpertLayout): 1, or 2 for gate_up_proj; and
+            # whether they are stored [E, in, out], and with a fused projection's matrices interleaved
+            "matrices_per_expert": None,
+            "experts_transposed": False,
+            "experts_interleaved": False,
         }
         super().__init__(params, defaults)
         self.bucket_numel = int(bucket_numel)
@@ -255,8 +268,8 @@ class Muon(torch.optim.Optimizer):
         check_settings(group)
         for i, p in enumerate(group["params"]):
             name = self._param_name(gi, i, p)
-            if p.ndim == 3 and group["matrices_per_expert"]:  # stacked experts [E, out, in]
-                check_stacked(p, group["matrices_per_expert"], name)
+            if p.ndim == 3 and group["matrices_per_expert"]:  # stacked experts
+                check_stacked(p, ExpertLayout.of_group(group), name)
             elif p.ndim != 2:
                 raise ValueError(
                     f"Muon only supports 2D parameters (and 3D stacked experts) whereas we found {name}. "
@@ -377,12 +390,12 @@ class Muon(torch.optim.Optimizer):
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["momentum_buffer"]
 
-    def _second_moment(self, p: Tensor) -> Tensor:
+    def _second_moment(self, p: Tensor, layout: ExpertLayout | None = None) -> Tensor:
         """NorMuon's per-row EMA of the mean square of the Newton–Schulz result (fp32, rows of p; a
-        stacked expert parameter's [E, out], laid out like its experts)."""
+        stacked expert parameter's [E, k * out] for its ``layout``, laid out like its experts)."""
         state = self.state[p]
         if "second_moment" not in state:
-            state["second_moment"] = expert_rows_like(p) if p.ndim == 3 else rows_like(p)
+            state["second_moment"] = expert_rows_like(p, layout) if p.ndim == 3 else rows_like(p)
         return state["second_moment"]
 
     def _prepare(

@@ -74,17 +74,16 @@ def mlp_width(hf) -> int | None:
 def expert_ns_flops(
     stacked: list, steps: int, dp_shard: int, gram: bool = False, symmetric: bool = False
 ) -> list[int]:
-    """Newton–Schulz FLOPs per rank for stacked expert parameters (shape [E, out, in], matrices per
-    expert k): each rank orthogonalises the matrices [out / k, in] of the experts it holds
-    (torch.chunk over dp_shard ranks: ceil(E / dp_shard) each, the last ranks fewer)."""
+    """Newton–Schulz FLOPs per rank for stacked expert parameters (their shape [E, a, b] and
+    ``experts.ExpertLayout``: k matrices per expert): each rank orthogonalises the k matrices of each
+    expert it holds (torch.chunk over dp_shard ranks: ceil(E / dp_shard) each, the last ranks fewer)."""
     from muonrun.optim.sharding import local_rows, owner_cost
 
     per_rank = [0] * dp_shard
-    for shape, k in stacked:
-        matrix = (shape[1] // k, shape[2])
-        cost = owner_cost(matrix, steps, gram, symmetric)
+    for shape, layout in stacked:
+        cost = owner_cost(layout.matrix_shape(shape), steps, gram, symmetric)
         for r in range(dp_shard):
-            per_rank[r] += local_rows(shape[0], dp_shard, r) * k * cost
+            per_rank[r] += local_rows(shape[0], dp_shard, r) * layout.matrices * cost
     return per_rank
 
 
@@ -183,8 +182,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.launch.launcher import default_nproc
     from muonrun.model.build import check_model, count_params
     from muonrun.model.build import flops_per_token as model_flops_per_token
-    from muonrun.optim.experts import matrices_per_expert
-    from muonrun.optim.groups import split_for_muon, split_params
+    from muonrun.optim.groups import split_params
 
     nnodes = cfg.launch.nnodes
     world = default_nproc(cfg) * nnodes if world_size is None else world_size
@@ -199,8 +197,10 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     model = check_model(cfg.model, vocab, cfg.data.seq_len, features, cfg.train.router_z_loss_coef)
     hf = model.config
     params = count_params(model)
-    split = (split_for_muon if cfg.optimizer.name == "muon" else split_params)(
-        model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns
+    split = split_params(
+        model,
+        muon_patterns=cfg.optimizer.muon.muon_patterns,
+        adamw_patterns=cfg.optimizer.muon.adamw_patterns,
     )
     muon_params = sum(p.numel() for _, p in split.muon + split.experts)
     tokens_per_step = cfg.tokens_per_step(world)
@@ -235,7 +235,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         "ns_symmetric": symmetric,
         "expert_ns_flops_per_rank_step": (
             expert_ns_flops(
-                [(p.shape, matrices_per_expert(n)) for n, p in split.experts],
+                [(p.shape, split.expert_layouts[n]) for n, p in split.experts],
                 cfg.optimizer.muon.ns_steps,
                 shard,
                 cfg.optimizer.muon.gram_ns,

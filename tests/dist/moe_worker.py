@@ -2,8 +2,8 @@
 
 usage: moe_worker.py
 
-Every rank builds the same expert stacks ([E, 2I, H] fused gate/up, [E, H, I] down) and gradients from
-fixed seeds, shards a copy with ``fully_shard`` (dim 0: whole experts per rank) and keeps a reference of
+Every rank builds the same expert stacks ([E, 2I, H] fused gate/up, [E, H, I] down; or GPT-OSS's and
+Llama4's [E, in, out] layouts) and gradients from fixed seeds, shards a copy with ``fully_shard`` (dim 0: whole experts per rank) and keeps a reference of
 every expert matrix as its own plain 2-D tensor: gate rows, up rows and down of each expert. Plain Muon
 is compared with torch.optim.Muon on those matrices; NorMuon and fp32 Newton–Schulz with our Muon on
 them (itself checked against torch and the paper in tests/test_muon.py). On 3 ranks the expert counts
@@ -23,6 +23,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import Muon, split_params
+from muonrun.optim.experts import ExpertLayout
 
 H, INTER = 12, 8
 LR = 0.05
@@ -30,19 +31,28 @@ RTOL = 0.02  # bf16: one ulp of a matrix's norm moves its update by ~0.4%; a wro
 RTOL_FP32 = 1e-4
 
 
-class ToyExperts(nn.Module):
-    """Stacked expert weights laid out as transformers' Qwen2MoeExperts."""
+LAYOUTS = ("qwen2_moe", "gpt_oss", "llama4")
 
-    def __init__(self, n: int):
+
+class ToyExperts(nn.Module):
+    """Stacked expert weights laid out as transformers' Qwen2MoeExperts ([E, 2I, H] gate then up, [E, H, I]),
+    GptOssExperts ([E, H, 2I] gate and up interleaved, [E, I, H], declared) or Llama4TextExperts ([E, H, 2I]
+    gate then up, [E, I, H], undeclared)."""
+
+    def __init__(self, n: int, layout: str = "qwen2_moe"):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * INTER, H))
-        self.down_proj = nn.Parameter(torch.empty(n, H, INTER))
+        transposed = layout != "qwen2_moe"
+        self.hidden_size = H
+        self.gate_up_proj = nn.Parameter(torch.empty((n, H, 2 * INTER) if transposed else (n, 2 * INTER, H)))
+        self.down_proj = nn.Parameter(torch.empty((n, INTER, H) if transposed else (n, H, INTER)))
+        if layout == "gpt_oss":  # what transformers' use_experts_implementation sets
+            self.is_transposed, self.is_concatenated = True, False
 
 
 class Toy(nn.Module):
-    def __init__(self, counts: list[int], seed: int):
+    def __init__(self, counts: list[int], seed: int, layout: str = "qwen2_moe"):
         super().__init__()
-        self.layers = nn.ModuleList(ToyExperts(n) for n in counts)
+        self.layers = nn.ModuleList(ToyExperts(n, layout) for n in counts)
         self.proj = nn.Linear(H, H, bias=False)  # a 2-D matrix next to them: the all-to-all path
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -50,10 +60,15 @@ class Toy(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
-def expert_matrices(full: torch.Tensor, name: str) -> list[torch.Tensor]:
-    """Every expert's matrices of a full stacked tensor, as views: gate and up apart for gate_up_proj."""
+def expert_matrices(full: torch.Tensor, name: str, layout: str = "qwen2_moe") -> list[torch.Tensor]:
+    """Every expert's [out, in] matrices of a full stacked tensor (or a rank's shard), as views: gate and
+    up apart for gate_up_proj, read as each layout stores them."""
     k = 2 if name.endswith("gate_up_proj") else 1
-    return [m for e in full for m in e.chunk(k, dim=0)]
+    mats = []
+    for e in full:
+        w = e if layout == "qwen2_moe" else e.T  # [k * out, in]
+        mats += [w[0::2], w[1::2]] if k == 2 and layout == "gpt_oss" else list(w.chunk(k, dim=0))
+    return mats
 
 
 def full_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
@@ -61,24 +76,30 @@ def full_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
-def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_decay, fused, steps=4) -> float:
+def run(
+    mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_decay, fused, layout, steps=4
+) -> float:
     """Step a sharded Toy and the per-matrix reference; return the worst relative error seen. ``fused``:
-    the elementwise passes traced by dynamo (the backend runs its graph as it is), as on GPUs."""
-    model = Toy(counts, seed=7)
-    ref_model = Toy(counts, seed=7)
+    the elementwise passes traced by dynamo (the backend runs its graph as it is), as on GPUs; ``layout``:
+    the family whose expert layout the Toy copies."""
+    model = Toy(counts, seed=7, layout=layout)
+    ref_model = Toy(counts, seed=7, layout=layout)
     fully_shard(model, mesh=mesh)
     split = split_params(model)
     assert [n for n, _ in split.experts] == [n for n, p in model.named_parameters() if p.ndim == 3], split
     assert [n for n, _ in split.muon] == ["proj.weight"], split.names()
+    transposed, interleaved = layout != "qwen2_moe", layout == "gpt_oss"
+    for n, _ in split.experts:
+        two = n.endswith("gate_up_proj")
+        expected = ExpertLayout(2 if two else 1, transposed, interleaved and two)
+        assert split.expert_layouts[n] == expected, (n, split.expert_layouts[n])
     kw = dict(lr=LR, weight_decay=weight_decay, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    gate_up = [p for n, p in split.experts if n.endswith("gate_up_proj")]
-    down = [p for n, p in split.experts if n.endswith("down_proj")]
+    by_layout: dict = {}
+    for n, p in split.experts:
+        by_layout.setdefault(split.expert_layouts[n], []).append(p)
     opt = Muon(
-        [
-            {"params": [p for _, p in split.muon]},
-            {"params": gate_up, "matrices_per_expert": 2},
-            {"params": down, "matrices_per_expert": 1},
-        ],
+        [{"params": [p for _, p in split.muon]}]
+        + [{"params": ps, **lay.group_keys()} for lay, ps in by_layout.items()],
         variant=variant,
         ns_dtype=ns_dtype,
         fused=fused,
@@ -88,7 +109,7 @@ def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_dec
         opt.compile_backend = "eager"
     ref_names, ref_params = [], []
     for n, p in ref_model.named_parameters():
-        mats = [p.data] if p.ndim == 2 else expert_matrices(p.data, n)
+        mats = [p.data] if p.ndim == 2 else expert_matrices(p.data, n, layout)
         ref_names += [n] * len(mats)
         ref_params += [nn.Parameter(m.clone()) for m in mats]
     if variant == "muon" and ns_dtype == torch.bfloat16:
@@ -102,7 +123,7 @@ def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_dec
             p.grad = distribute_tensor(grads[n], p.device_mesh, p.placements)
         i = 0
         for n, p in ref_model.named_parameters():
-            mats = [grads[n]] if p.ndim == 2 else expert_matrices(grads[n], n)
+            mats = [grads[n]] if p.ndim == 2 else expert_matrices(grads[n], n, layout)
             for m in mats:
                 ref_params[i].grad = m.clone()
                 i += 1
@@ -118,8 +139,11 @@ def run(mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_dec
         first = mesh.get_local_rank() * c  # this rank's first expert (torch.chunk layout)
         assert local.shape[0] == max(0, min(p.shape[0], first + c) - first), (n, tuple(local.shape))
         k = 2 if n.endswith("gate_up_proj") else 1
+        if variant == "normuon":  # one entry per output neuron of each expert matrix, sharded like it
+            v = opt.state[p]["second_moment"]
+            assert tuple(v.shape) == (p.shape[0], k * (INTER if k == 2 else H)), (n, tuple(v.shape))
         for e in range(local.shape[0]):
-            for j, mine in enumerate(local[e].chunk(k, dim=0)):
+            for j, mine in enumerate(expert_matrices(local[e : e + 1], n, layout)):
                 r = next(i for i, rn in enumerate(ref_names) if rn == n) + (first + e) * k + j
                 moved = (ref_params[r].detach() - init[r]).abs().max()
                 err = ((mine - ref_params[r].detach()).abs().max() / moved).item()
@@ -189,18 +213,22 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     counts = [2, 3, 4, 5]  # on 3 ranks: a rank with none (2 and 4), even (3), uneven (5)
     combos = [
-        ("muon", torch.bfloat16, None, True, 0.1, False),
-        ("muon", torch.bfloat16, "match_rms_adamw", False, 0.0, False),
-        ("muon", torch.float32, "original", True, 0.1, False),
-        ("normuon", torch.float32, "match_rms_adamw", True, 0.1, False),
-        ("normuon", torch.bfloat16, None, False, 0.0, False),
-        ("muon", torch.bfloat16, None, True, 0.1, True),
-        ("normuon", torch.float32, None, True, 0.1, True),
+        ("muon", torch.bfloat16, None, True, 0.1, False, "qwen2_moe"),
+        ("muon", torch.bfloat16, "match_rms_adamw", False, 0.0, False, "qwen2_moe"),
+        ("muon", torch.float32, "original", True, 0.1, False, "qwen2_moe"),
+        ("normuon", torch.float32, "match_rms_adamw", True, 0.1, False, "qwen2_moe"),
+        ("normuon", torch.bfloat16, None, False, 0.0, False, "qwen2_moe"),
+        ("muon", torch.bfloat16, None, True, 0.1, True, "qwen2_moe"),
+        ("normuon", torch.float32, None, True, 0.1, True, "qwen2_moe"),
+        # [E, in, out]: "original" scales gate and down differently, NorMuon's rows are output neurons
+        ("muon", torch.bfloat16, "original", True, 0.1, False, "gpt_oss"),
+        ("normuon", torch.float32, "original", True, 0.1, True, "gpt_oss"),
+        ("normuon", torch.float32, "original", False, 0.1, False, "llama4"),
     ]
-    for variant, ns_dtype, adjust, nesterov, wd, fused in combos:
-        err = run(mesh, counts, variant, ns_dtype, adjust, nesterov, wd, fused)
+    for variant, ns_dtype, adjust, nesterov, wd, fused, layout in combos:
+        err = run(mesh, counts, variant, ns_dtype, adjust, nesterov, wd, fused, layout)
         tol = RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32
-        what = f"{variant} {ns_dtype} adjust_lr_fn={adjust} nesterov={nesterov} wd={wd} fused={fused}"
+        what = f"{variant} {ns_dtype} adjust_lr_fn={adjust} nesterov={nesterov} wd={wd} fused={fused} {layout}"
         assert err <= tol, f"rank {dist.get_rank()}: {what}: expert matrices differ by {err:.2e} (> {tol})"
         if dist.get_rank() == 0:
             print(f"{what}: worst relative difference {err:.1e}", flush=True)
