@@ -20,6 +20,11 @@ Why each one is here, and not torch's public API:
   (muonrun/optim/fused.py) catch it on their first call, before anything ran, to fall back to the
   eager ops; torch exports no public base class for compile failures, and catching every exception
   would also swallow a failure that happened after some kernels had run.
+- inductor's `loop_ordering_after_fusion` (and `loop_reindexing_after_fusion` where torch has it), passed
+  as `torch.compile(options=...)` (the public parameter; the names are inductor's config): turned off for
+  Muon's passes over stacked experts read through strided views (GPT-OSS's `[E, in, out]`), where with
+  several parameters in one foreach its reordering of a combined kernel's loops fails an assertion
+  (`reorder_loops_by_dep_pair`, torch 2.11 on an H200) and the passes would run eagerly.
 """
 
 from __future__ import annotations
@@ -130,3 +135,12 @@ def compile_error() -> type[Exception]:
     from torch._dynamo.exc import TorchDynamoException
 
     return TorchDynamoException
+
+
+def no_loop_reordering() -> dict[str, bool]:
+    """`torch.compile` options that turn off inductor's loop reordering during fusion: the option names
+    this torch has, each False (see the module docstring)."""
+    from torch._inductor import config
+
+    names = ("loop_ordering_after_fusion", "loop_reindexing_after_fusion")
+    return {name: False for name in names if hasattr(config, name)}

@@ -251,3 +251,14 @@ def test_torch_dynamo_exc_torch_dynamo_exception_is_what_a_failed_compile_raises
     with pytest.raises(base):
         torch.compile(fn, backend=broken_backend, fullgraph=True)(torch.ones(2))
     assert ran == []  # traced, not run: its side effect never happened, so falling back is safe
+
+
+def test_inductor_loop_ordering_after_fusion_is_an_option_torch_compile_takes():
+    """inductor's `loop_ordering_after_fusion` (and `loop_reindexing_after_fusion` where it exists): the
+    options Muon's passes over strided expert views turn off, so each must be a name `torch.compile`
+    accepts in `options` (an unknown one is refused when the function is compiled)."""
+    from torch._inductor import list_options
+
+    options = compat.no_loop_reordering()
+    assert "loop_ordering_after_fusion" in options, "torch._inductor.config.loop_ordering_after_fusion is gone"
+    assert set(options) <= set(list_options()) and not any(options.values()), options

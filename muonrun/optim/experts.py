@@ -69,6 +69,11 @@ class ExpertLayout:
             return M.unflatten(1, (M.shape[1] // k, k)).transpose(1, 2)
         return M.unflatten(1, (k, M.shape[1] // k))
 
+    @property
+    def strided(self) -> bool:
+        """Whether ``matrices_of`` gives a strided view (any layout but the usual one)."""
+        return self.transposed or self.interleaved
+
     def group_keys(self) -> dict:
         return {
             "matrices_per_expert": self.matrices,
@@ -186,9 +191,8 @@ def stacked_momentum(opt, chunk: Sequence[tuple[int, Tensor]], s, X: Tensor | No
     if X is None:
         X = torch.empty(chunk_shape(opt, chunk), dtype=opt.ns_dtype, device=grads[0].device)
     updates = list(X.view(len(params), *grads[0].shape).unbind(0))
-    opt._passes.momentum(
-        ("experts", gi, layout, *grads[0].shape, len(params)), bufs, grads, updates, s.momentum, s.nesterov
-    )
+    key = ("experts", gi, layout, *grads[0].shape, len(params))
+    opt._passes.momentum(key, bufs, grads, updates, s.momentum, s.nesterov, strided=layout.strided)
     if opt._sums is not None:
         opt._sums.add(reduce_group(params[0]), "momentum", sum_of_squares(bufs))
     return X
@@ -225,9 +229,8 @@ def stacked_update(opt, chunk: Sequence[tuple[int, Tensor]], X: Tensor, s, scala
         compat.foreach_add_(deltas, scaled, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
         opt._sums.add(reduce_group(params[0]), "update", sum_of_squares(deltas))
     slots = [scalars.slots[(gi, rows, cols)]] * len(params)
-    opt._passes.decay_and_update(
-        ("experts", gi, layout, *shape, len(params)), locals_, updates, scalars.passed, slots, row_factors
-    )
+    key = ("experts", gi, layout, *shape, len(params))
+    opt._passes.decay_and_update(key, locals_, updates, scalars.passed, slots, row_factors, layout.strided)
 
 
 def step_stacked(opt, chunk: Sequence[tuple[int, Tensor]], s, scalars) -> None:

@@ -127,12 +127,20 @@ class Passes:
         self.backend = backend
         self._fns: dict[tuple, Callable] = {}
 
-    def _call(self, key: tuple, fn: Callable, *args) -> None:
+    def _call(self, key: tuple, fn: Callable, *args, strided: bool = False) -> None:
+        """``fn(*args)``, compiled once per ``key``. ``strided``: some of its tensors are strided views
+        (stacked experts stored ``[E, in, out]``), compiled without inductor's loop reordering
+        (``compat.no_loop_reordering`` says why)."""
         if not self.compiled:
             return fn(*args)
         compiled = self._fns.get(key)
         if compiled is None:
-            compiled = torch.compile(_fresh(fn), backend=self.backend, fullgraph=True, dynamic=False)
+            options = (
+                {"options": compat.no_loop_reordering()} if strided and self.backend == "inductor" else {}
+            )
+            compiled = torch.compile(
+                _fresh(fn), backend=self.backend, fullgraph=True, dynamic=False, **options
+            )
             self._fns[key] = compiled
         try:
             return compiled(*args)
@@ -147,8 +155,10 @@ class Passes:
             self.compiled = False
             return fn(*args)
 
-    def momentum(self, key: tuple, bufs, grads, dsts, momentum: float, nesterov: bool) -> None:
-        self._call(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov)
+    def momentum(
+        self, key: tuple, bufs, grads, dsts, momentum: float, nesterov: bool, strided: bool = False
+    ) -> None:
+        self._call(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov, strided=strided)
 
     def normalize(self, base: Tensor, rows: int, cols: int, norm_scale: float, eps: float) -> None:
         """``normalize_leading_`` on an owned stack (``base`` contiguous ``[k, slab]``; compiled once
@@ -169,11 +179,21 @@ class Passes:
         scalars: Tensor | Sequence[float],
         slots: Sequence[tuple[int, int]],
         row_factors: list | None = None,
+        strided: bool = False,
     ) -> None:
         """``decay_and_update`` on one bucket: ``scalars`` the step's ``settings.UpdateScalars`` values
         (a device tensor where compiled: new values every step, nothing recompiled), ``slots`` each
-        parameter's two; ``row_factors``: NorMuon's, one tensor per update."""
-        self._call(("update", *key), decay_and_update, params, updates, scalars, tuple(slots), row_factors)
+        parameter's two; ``row_factors``: NorMuon's, one tensor per update; ``strided`` as in ``_call``."""
+        self._call(
+            ("update", *key),
+            decay_and_update,
+            params,
+            updates,
+            scalars,
+            tuple(slots),
+            row_factors,
+            strided=strided,
+        )
 
     @classmethod
     def choose(cls, fused: bool, device: torch.device | None, backend: str | Callable | None) -> Passes:
