@@ -11,12 +11,16 @@ out=${1:?usage: bench_power.sh OUT_DIR CONFIG [bench arguments]}
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-warmup=5  # muonrun bench's default, unless the arguments give one
+warmup=
 args=("$@")
 for i in "${!args[@]}"; do
   [[ ${args[$i]} == --warmup ]] && warmup=${args[$((i + 1))]}
   [[ ${args[$i]} == --warmup=* ]] && warmup=${args[$i]#--warmup=}
 done
+if [[ -z $warmup ]]; then  # none given: pass one, so the steps dropped below are the ones the bench drops
+  warmup=5
+  set -- "$@" --warmup "$warmup"
+fi
 ( while true; do
     echo "$(date +%s.%N),$(nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active,temperature.gpu --format=csv,noheader,nounits)"
     sleep 0.1
