@@ -117,7 +117,7 @@ def pretrain(
         bool,
         typer.Option(
             "--dry-run",
-            help="Validate the config, check the data, build the model on the meta device, print the plan.",
+            help="Validate the config, check the data (not with --world-size), build the model on the meta device, print the plan.",
         ),
     ] = False,
     world_size: Annotated[

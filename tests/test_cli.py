@@ -178,7 +178,8 @@ def test_every_preset_passes_dry_run(preset, tmp_path):
 
 def test_the_dry_run_checks_the_data_as_the_launch_does(tmp_path):
     """A data mistake fails the dry run with the launcher's message (exit 2); with a tokenizer this
-    machine cannot load, the plan says the data went unchecked instead of failing."""
+    machine cannot load, or with --world-size (a plan for other machines), the plan says the data went
+    unchecked instead of failing."""
     ok = runner.invoke(app, ["pretrain", "tiny", "--dry-run"])
     assert ok.exit_code == 0, ok.output
     assert "data 1 train source(s), 1 eval source(s), checked as the launch checks them" in " ".join(
@@ -197,6 +198,10 @@ def test_the_dry_run_checks_the_data_as_the_launch_does(tmp_path):
     planned = runner.invoke(app, ["pretrain", "tiny", "--dry-run", *unloadable])
     assert planned.exit_code == 0, planned.output
     assert "data not checked (the tokenizer is not loadable here)" in " ".join(planned.output.split())
+    elsewhere = ["--world-size", "4", f"data.sources.0.path={tmp_path / 'nope.jsonl'}"]  # a cluster's path
+    planned = runner.invoke(app, ["pretrain", "tiny", "--dry-run", *elsewhere])
+    assert planned.exit_code == 0, planned.output
+    assert "data not checked (--world-size plans for other machines)" in " ".join(planned.output.split())
 
 
 def test_dry_run_plans_a_large_world_and_counts_qwen2():

@@ -260,5 +260,7 @@ def test_inductor_loop_ordering_after_fusion_is_an_option_torch_compile_takes():
     from torch._inductor import list_options
 
     options = compat.no_loop_reordering()
-    assert "loop_ordering_after_fusion" in options, "torch._inductor.config.loop_ordering_after_fusion is gone"
+    assert "loop_ordering_after_fusion" in options, (
+        "torch._inductor.config.loop_ordering_after_fusion is gone"
+    )
     assert set(options) <= set(list_options()) and not any(options.values()), options

@@ -150,12 +150,14 @@ def ns_symmetric(cfg: Config) -> bool:
     return quack_chosen(cfg.optimizer.muon.ns_products, pick_device_type(cfg))
 
 
-def tokenizer_and_data(c) -> tuple[int | None, str, str]:
+def tokenizer_and_data(c, check_data_here: bool = True) -> tuple[int | None, str, str]:
     """(vocabulary size, the plan's tokenizer line, its data line). With a tokenizer this machine can
     load, the data gets the launcher's own checks (``check_data``: the files exist, the text column is
     there, the first record holds text, a Hub dataset is reachable), and a problem fails the plan as it
     would fail the launch. A tokenizer this machine cannot load (a Hub id, offline) is reported as
-    unchecked instead, and so is the data: the launcher checks both before training."""
+    unchecked instead, and so is the data: the launcher checks both before training. Not
+    ``check_data_here`` (``--world-size``: a plan for other machines, whose data this one may not
+    see): the data is left unchecked, and the plan says so."""
     from muonrun.data import build_tokenizer, check_data
 
     try:
@@ -166,15 +168,14 @@ def tokenizer_and_data(c) -> tuple[int | None, str, str]:
             f"{c.data.tokenizer}: not loadable here, vocabulary not checked ({str(e)[:120]}...)",
             "not checked (the tokenizer is not loadable here)",
         )
+    tokenizer = f"{c.data.tokenizer} ({tok.vocab_size:,} tokens, fits the model's vocabulary)"
+    if not check_data_here:
+        return tok.vocab_size, tokenizer, "not checked (--world-size plans for other machines)"
     check_data(c, tok)
     counts = f"{len(c.data.sources)} train source(s)" + (
         f", {len(c.data.eval_sources)} eval source(s)" if c.data.eval_sources else ""
     )
-    return (
-        tok.vocab_size,
-        f"{c.data.tokenizer} ({tok.vocab_size:,} tokens, fits the model's vocabulary)",
-        f"{counts}, checked as the launch checks them",
-    )
+    return tok.vocab_size, tokenizer, f"{counts}, checked as the launch checks them"
 
 
 def plan_summary(cfg: Config, world_size: int | None) -> dict:
@@ -192,7 +193,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         raise UserError(f"--world-size {world} cannot be split evenly over --nnodes {nnodes}.")
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
     replicate, shard = mesh_shape(cfg, world, how)
-    vocab, tokenizer, data = tokenizer_and_data(cfg)
+    vocab, tokenizer, data = tokenizer_and_data(cfg, check_data_here=world_size is None)
     features = enabled(cfg)
     model = check_model(cfg.model, vocab, cfg.data.seq_len, features, cfg.train.router_z_loss_coef)
     hf = model.config
