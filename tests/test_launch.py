@@ -227,6 +227,29 @@ def test_the_lock_names_its_live_holder_and_is_taken_over_from_a_dead_one(tmp_pa
     assert capsys.readouterr().err == ""
 
 
+def test_a_second_launcher_of_one_node_rank_exits_2_naming_the_first(tmp_path):
+    """Each node rank's launcher holds its own lock in the run folder: a second launch of node rank 1
+    (two srun tasks on one node) exits 2 naming the first before it joins the rendezvous, where it would
+    have waited silently until the job ended; other node ranks, and node 0's run lock, are apart."""
+    hold = HOLD_LOCK.replace("RunLock(sys.argv[1])", "RunLock(sys.argv[1], 1)")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env(tmp_path)
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        port = free_port()
+        args = ["pretrain", "tiny", f"output_dir={tmp_path}", "--nnodes", "2", "--node-rank", "1"]
+        result = runner.invoke(app, [*args, "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1"])
+        out = " ".join(result.output.split())
+        assert result.exit_code == 2 and "node rank 1 of the run" in out and f"pid {holder.pid}" in out, out
+        for node_rank in (0, 2):
+            with RunLock(tmp_path, node_rank):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_without_file_locks_a_live_holder_on_this_machine_still_stops_a_second_launch(
     tmp_path, monkeypatch, capsys
 ):

@@ -113,20 +113,17 @@ def _unwritable(out: Path, e: OSError) -> UserError:
     )
 
 
-def claim_output_dir(out: Path, node_rank: int) -> RunLock | contextlib.nullcontext:
+def claim_output_dir(out: Path, node_rank: int) -> RunLock:
     """output_dir must be a folder this node can create and write (checkpoints, metrics, logs). Node 0
-    takes the run folder's lock (muonrun/launch/lock.py) before anything in it is touched and holds it
-    until the `with` on the returned lock ends; the other nodes only check that they can write."""
+    takes the run folder's lock (muonrun/launch/lock.py) before anything in it is touched, every other
+    node its node rank's lock; each holds it until the `with` on the returned lock ends."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir '{out}' is a file, not a folder; set output_dir to a folder path.")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if node_rank != 0:
-            with tempfile.NamedTemporaryFile(dir=out, prefix=".muonrun-write-check-"):
-                pass
     except OSError as e:
         raise _unwritable(out, e) from None
-    return RunLock(out).acquire() if node_rank == 0 else contextlib.nullcontext()
+    return RunLock(out, node_rank).acquire()
 
 
 def check_fault_spec() -> None:
@@ -173,7 +170,7 @@ def launch(cfg: Config) -> int:
     check_run_folder(out)  # before anything is created there
     # a resume_from / init_from that names no checkpoint: refused here, not by every worker after spawn
     load_order(cfg.checkpoint.resume_from, cfg.checkpoint.init_from, out / "checkpoints")
-    run_lock = claim_output_dir(out, plan.node_rank)  # node 0: before anything in output_dir is touched
+    run_lock = claim_output_dir(out, plan.node_rank)  # before anything in output_dir is touched
     # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
     # refused at resume leaves the folder's config as it was.
     with run_lock:

@@ -1,7 +1,9 @@
 """One live writer per run folder: the launcher on node 0 (or the single in-process worker) holds an
 exclusive lock on `<output_dir>/.muonrun.lock` from before it touches anything in the folder until the
 run ends, restarts included. The file names its holder (host, pid, since when) for whoever finds it
-taken.
+taken. The launcher of every other node rank r holds `<output_dir>/.muonrun.node-r.lock` the same way:
+a second launcher of one node rank (two srun tasks on one node, a relaunch while the first runs) would
+otherwise wait in torch's rendezvous, silently, until the job ends.
 
 The lock is `flock(2)`: the kernel releases it when its holder dies, however it dies (kill -9, a crashed
 node's NFS lease expiring), so a lock left behind is taken over, with a message saying whose it was.
@@ -28,6 +30,13 @@ from muonrun import log
 from muonrun.errors import UserError
 
 LOCK_FILE = ".muonrun.lock"
+
+
+def lock_file(node_rank: int = 0) -> str:
+    """The lock file of a node rank's launcher: node 0's is the run folder's (`LOCK_FILE`)."""
+    return LOCK_FILE if node_rank == 0 else f".muonrun.node-{node_rank}.lock"
+
+
 # flock's answers where the filesystem cannot lock (rather than "someone else holds it")
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
@@ -69,11 +78,13 @@ class Holder:
 
 
 class RunLock:
-    """`with RunLock(output_dir):` (or `acquire()` ... `release()`): the run folder's lock; acquiring
-    raises a UserError (exit 2) naming the holder when another live launch has it."""
+    """`with RunLock(output_dir):` (or `acquire()` ... `release()`): the run folder's lock (``node_rank``
+    above 0: that node rank's launcher lock); acquiring raises a UserError (exit 2) naming the holder
+    when another live launch has it."""
 
-    def __init__(self, output_dir: Path):
-        self.path = Path(output_dir) / LOCK_FILE
+    def __init__(self, output_dir: Path, node_rank: int = 0):
+        self.path = Path(output_dir) / lock_file(node_rank)
+        self.node_rank = node_rank
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
@@ -136,6 +147,14 @@ class RunLock:
         who = holder.describe() if holder is not None else "a process that has not written its name yet"
         if holder is not None and holder.host == socket.gethostname() and not holder.alive_here():
             who += f"; that process is gone, one that inherited its lock holds it: `fuser -v {self.path}`"
+        if self.node_rank:
+            return (
+                f"node rank {self.node_rank} of the run in output_dir '{self.path.parent}' is already launched "
+                f"({who}): each node rank has one launcher, and a second one would wait in the rendezvous "
+                "until the job ends (two srun tasks on one node, or a relaunch while the first still runs). "
+                "Stop one of them, or check --node-rank (SLURM_NODEID under srun: one task per node). "
+                f"(The lock is {self.path}; the kernel releases it when its holder exits.)"
+            )
         return (
             f"output_dir '{self.path.parent}' is in use by another muonrun launch ({who}): a run folder has "
             "one live training. Wait for it to end or stop it, or set output_dir (or name) to another "
