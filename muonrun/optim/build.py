@@ -74,11 +74,8 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
     weight_decay = m.weight_decay if m.weight_decay is not None else o.weight_decay
     # Stacked experts: one group per layout (matrices per expert slice, 2 for a fused gate_up_proj; stored
     # [E, out, in] or [E, in, out]; gate and up apart or interleaved).
-    by_layout: dict = {}
-    for name, p in split.experts:
-        by_layout.setdefault(split.expert_layouts[name], []).append(p)
     groups = [{"params": [p for _, p in split.muon], "peak_lr": m.lr}]
-    groups += [{"params": ps, "peak_lr": m.lr, **layout.group_keys()} for layout, ps in by_layout.items()]
+    groups += [{**group, "peak_lr": m.lr} for group in split.expert_groups()]
     muon = Muon(
         [g for g in groups if g["params"]] or groups[:1],
         lr=m.lr,

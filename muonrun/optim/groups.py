@@ -82,6 +82,14 @@ class ParamSplit:
         """Norm weights and biases: AdamW without weight decay."""
         return self.norm_bias
 
+    def expert_groups(self) -> list[dict]:
+        """Muon param groups for ``experts``: one per layout (``experts.ExpertLayout.group_keys``), in the
+        order the layouts first appear."""
+        by_layout: dict[ExpertLayout, list] = {}
+        for name, p in self.experts:
+            by_layout.setdefault(self.expert_layouts[name], []).append(p)
+        return [{"params": ps, **layout.group_keys()} for layout, ps in by_layout.items()]
+
     def names(self) -> dict[str, list[str]]:
         return {g: [n for n, _ in getattr(self, g)] for g in self.GROUPS}
 

@@ -3,12 +3,13 @@
 usage: moe_worker.py
 
 Every rank builds the same expert stacks ([E, 2I, H] fused gate/up, [E, H, I] down; or GPT-OSS's and
-Llama4's [E, in, out] layouts) and gradients from fixed seeds, shards a copy with ``fully_shard`` (dim 0: whole experts per rank) and keeps a reference of
-every expert matrix as its own plain 2-D tensor: gate rows, up rows and down of each expert. Plain Muon
-is compared with torch.optim.Muon on those matrices; NorMuon and fp32 Newton–Schulz with our Muon on
-them (itself checked against torch and the paper in tests/test_muon.py). On 3 ranks the expert counts
-cover even (3), uneven (5) and a rank holding no expert (2 and 4 experts: torch.chunk gives the last
-rank none). Comparisons use each rank's own experts, without communication. Global rank 0 prints
+Llama4's [E, in, out] layouts) and gradients from fixed seeds, shards a copy with ``fully_shard`` (dim 0:
+whole experts per rank) and keeps a reference of every expert matrix as its own plain 2-D tensor: gate
+rows, up rows and down of each expert. Plain Muon is compared with torch.optim.Muon on those matrices;
+NorMuon and fp32 Newton–Schulz with our Muon on them (itself checked against torch and the paper in
+tests/test_muon.py). On 3 ranks the expert counts cover even (3), uneven (5) and a rank holding no
+expert (2 and 4 experts: torch.chunk gives the last rank none). Comparisons use each rank's own
+experts, without communication. Global rank 0 prints
 ``MOE_WORKER_OK`` at the end.
 """
 
@@ -29,9 +30,6 @@ H, INTER = 12, 8
 LR = 0.05
 RTOL = 0.02  # bf16: one ulp of a matrix's norm moves its update by ~0.4%; a wrong expert by 100%
 RTOL_FP32 = 1e-4
-
-
-LAYOUTS = ("qwen2_moe", "gpt_oss", "llama4")
 
 
 class ToyExperts(nn.Module):
@@ -94,12 +92,8 @@ def run(
         expected = ExpertLayout(2 if two else 1, transposed, interleaved and two)
         assert split.expert_layouts[n] == expected, (n, split.expert_layouts[n])
     kw = dict(lr=LR, weight_decay=weight_decay, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    by_layout: dict = {}
-    for n, p in split.experts:
-        by_layout.setdefault(split.expert_layouts[n], []).append(p)
     opt = Muon(
-        [{"params": [p for _, p in split.muon]}]
-        + [{"params": ps, **lay.group_keys()} for lay, ps in by_layout.items()],
+        [{"params": [p for _, p in split.muon]}, *split.expert_groups()],
         variant=variant,
         ns_dtype=ns_dtype,
         fused=fused,
