@@ -25,6 +25,11 @@ Why each one is here, and not torch's public API:
   Muon's passes over stacked experts read through strided views (GPT-OSS's `[E, in, out]`), where with
   several parameters in one foreach its reordering of a combined kernel's loops fails an assertion
   (`reorder_loops_by_dep_pair`, torch 2.11 on an H200) and the passes would run eagerly.
+- inductor's `emulate_precision_casts`, passed the same way: on for the split restart's kernel that
+  writes an fp32 matrix as two bf16 halves (muonrun/optim/ns_products.py, `split_bf16`). By default
+  inductor keeps a value cast down and back up within one kernel at full precision, which makes the low
+  half (the value minus its bf16 rounding) zero: the split restart would then run on a bf16 Gram matrix,
+  which is what it exists to avoid.
 """
 
 from __future__ import annotations
@@ -144,3 +149,17 @@ def no_loop_reordering() -> dict[str, bool]:
 
     names = ("loop_ordering_after_fusion", "loop_reindexing_after_fusion")
     return {name: False for name in names if hasattr(config, name)}
+
+
+def precise_casts() -> dict[str, bool]:
+    """`torch.compile` options under which each cast in a compiled kernel rounds as it does eagerly (see
+    the module docstring); raises where this torch's inductor lacks the option, rather than compile a
+    split whose low half is zero."""
+    from torch._inductor import config
+
+    if not hasattr(config, "emulate_precision_casts"):
+        raise RuntimeError(
+            "torch._inductor.config.emulate_precision_casts is gone from this torch; muonrun.compat."
+            "precise_casts needs another way to keep casts' rounding in compiled kernels"
+        )
+    return {"emulate_precision_casts": True}

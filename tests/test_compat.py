@@ -264,3 +264,19 @@ def test_inductor_loop_ordering_after_fusion_is_an_option_torch_compile_takes():
         "torch._inductor.config.loop_ordering_after_fusion is gone"
     )
     assert set(options) <= set(list_options()) and not any(options.values()), options
+
+
+def test_inductor_emulate_precision_casts_keeps_the_split_low_half():
+    """inductor's `emulate_precision_casts`: the split restart compiles `split_bf16` with it, so a value
+    cast to bf16 and back keeps its rounding inside the kernel; without it inductor makes the low half
+    zero. Compiled on this CPU, the split must equal the eager one bit for bit, with a low half."""
+    from torch._inductor import list_options
+
+    from muonrun.optim.ns_products import _split
+
+    options = compat.precise_casts()
+    assert set(options) <= set(list_options()) and all(options.values()), options
+    T = torch.randn(2, 16, 16)
+    eager = _split(T, torch.bfloat16)
+    compiled = torch.compile(_split, dynamic=False, options=options)(T, torch.bfloat16)
+    assert torch.equal(compiled, eager) and eager[..., 16:].abs().max() > 0

@@ -406,25 +406,41 @@ def test_ns_quality_compares_each_seed_and_their_means(tmp_path, capsys):
     assert "study-muon, 2 seeds: final eval loss +1.050% on average" in means and "higher on 2 of 2" in means
 
 
-@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4), (2, 7, 3)])
-@pytest.mark.parametrize("steps, gram", [(3, False), (3, True), (5, True), (1, True)])
-def test_newton_schulz_flops_counts_what_runs(shape, steps, gram):
+@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4), (2, 7, 3), (2, 7)])
+@pytest.mark.parametrize(
+    "steps, gram, split",
+    [
+        (3, False, False),
+        (3, True, False),
+        (5, True, False),
+        (1, True, False),
+        (5, True, True),
+        (2, True, True),
+    ],
+)
+def test_newton_schulz_flops_counts_what_runs(shape, steps, gram, split):
     """The closed form behind the dry-run plan's Muon estimate equals the matmul FLOPs torch counts."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with counter:
-        newton_schulz(torch.randn(shape), steps=steps, gram=gram)
-    assert counter.get_total_flops() == math.prod(shape[:-2]) * newton_schulz_flops(shape, steps, gram)
+        newton_schulz(torch.randn(shape), steps=steps, gram=gram, split_restart=split)
+    flops = newton_schulz_flops(shape, steps, gram, split_restart=split)
+    assert counter.get_total_flops() == math.prod(shape[:-2]) * flops
     assert newton_schulz_flops((3, 5), 5) == 5 * (4 * 9 * 5 + 2 * 27)  # by hand
+    # the split restart where it applies: 10 m^3 instead of Q X and its Gram matrix, 4 m^2 n
+    assert (
+        newton_schulz_flops((2, 7), 5, True, split_restart=True)
+        == newton_schulz_flops((2, 7), 5, True) - 4 * 4 * 7 + 10 * 8
+    )
     # symmetric: the products with a symmetric result (all but ``apply``) at half, as counted while they run
     symmetric = SymmetricFlops()
     X = torch.randn(shape).reshape(-1, *shape[-2:])
     with FlopCounterMode(display=False) as whole:
         ns_iterations(X / X.norm(dim=(-2, -1), keepdim=True), [DEFAULT_NS_COEFFICIENTS] * steps, gram=gram,
-                      products=[symmetric] * steps)  # fmt: skip
+                      products=[symmetric] * steps, split_restart=split)  # fmt: skip
     assert whole.get_total_flops() - symmetric.flops // 2 == X.shape[0] * newton_schulz_flops(
-        shape, steps, gram, symmetric=True
+        shape, steps, gram, symmetric=True, split_restart=split
     )
 
 
@@ -449,6 +465,12 @@ class SymmetricFlops(Products):
 
     def sym_mm(self, P, Q):
         return self._counted(super().sym_mm, P, Q)
+
+    def gram_fp32(self, Y, tall):
+        return self._counted(super().gram_fp32, Y, tall)
+
+    def split_times(self, S_hi, S_lo, Q):
+        return self._counted(super().split_times, S_hi, S_lo, Q)
 
 
 def test_symmetric_products_are_counted_at_half_only_where_quack_takes_them():
@@ -538,6 +560,73 @@ def test_gram_newton_schulz_in_bf16_is_as_close_to_the_polar_factor():
             assert err_gram < 1.15 * err_standard + 0.01, (coefficients, err_gram, err_standard)
             s = torch.linalg.svdvals(gram)
             assert s.min() > 0.6 and s.max() < 1.4, (coefficients, s.min(), s.max())
+
+
+def test_the_split_restart_is_the_gram_form_to_rounding_and_needs_its_low_half():
+    """``split_restart``: the restart's Gram matrix as ``Q R0 Q^T`` from the first one kept in fp32
+    (``[hi | lo]``). In fp64 it is the Gram form to rounding; in bf16 it is as close to the polar
+    factor as the restart from X, and Muon with it (with and without the norm folded) steps within
+    the Gram form's bound of torch.optim.Muon. With the low half dropped (``R0`` in bf16) it lands
+    far from the polar factor: the precision is what makes it work."""
+    from muonrun.optim.newton_schulz import gram_iterations, uses_split_restart
+
+    assert uses_split_restart((896, 4864), 5) and uses_split_restart((4864, 896), 5)
+    assert not uses_split_restart((896, 2000), 5) and not uses_split_restart((896, 4864), 2)
+    assert not uses_split_restart((1536, 1536), 5)
+    g = torch.Generator().manual_seed(6)
+    for steps in (3, 5, 7):
+        per_step, _ = resolve_ns_coefficients(DEFAULT_NS_COEFFICIENTS, steps)
+        for shape in [(3, 6, 24), (2, 30, 5)]:
+            X = torch.randn(*shape, generator=g, dtype=torch.float64)
+            X = X / X.norm(dim=(-2, -1), keepdim=True)
+            split = gram_iterations(X, per_step, split_restart=True)
+            assert (split - gram_iterations(X, per_step)).abs().max() < 1e-12, (steps, shape)
+
+    class HighHalfOnly(Products):  # R0 rounded to bf16: its low half zero
+        def regram(self, Q, R0):
+            m = R0.shape[-1] // 2
+            return super().regram(Q, torch.cat([R0[..., :m], torch.zeros_like(R0[..., m:])], -1))
+
+    m, n = 96, 560
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g))
+    V, _ = torch.linalg.qr(torch.randn(n, m, generator=g))
+    G = (U * torch.arange(1, m + 1) ** -1.0) @ V.T
+    u, _, vh = torch.linalg.svd(G, full_matrices=False)
+    per_step, _ = resolve_ns_coefficients(DEFAULT_NS_COEFFICIENTS, 5)
+    X = (G / torch.linalg.vector_norm(G)).bfloat16()[None]
+
+    def distance(**kw) -> float:
+        out = gram_iterations(X, per_step, **kw)[0].float()
+        return ((out - u @ vh).norm() / (u @ vh).norm()).item()
+
+    from_x, split = distance(), distance(split_restart=True)
+    assert abs(split / from_x - 1) < 0.03, (split, from_x)  # one ulp of input noise moves it 2-7%
+    assert distance(split_restart=True, products=[HighHalfOnly()] * 5) > 2 * from_x
+    init = [p.requires_grad_() for p in make_params(23, [(32, 128), (128, 32)])]
+    shapes = [tuple(p.shape) for p in init]
+
+    def stepped(make) -> list[torch.Tensor]:
+        params = [p.detach().clone().requires_grad_() for p in init]
+        opt = make(params)
+        for step in range(3):
+            set_grads([params], step, shapes)
+            opt.step()
+        return params
+
+    def off(ours, ref) -> list[float]:  # of how far torch's moved
+        pairs = zip(ours, ref, init, strict=True)
+        return [((p - q).abs().max() / (q - q0).abs().max()).item() for p, q, q0 in pairs]
+
+    torchs = stepped(lambda ps: torch.optim.Muon(ps, lr=LR))
+    for fold_norm in (False, True):
+        gram = stepped(lambda ps, fold=fold_norm: Muon(ps, lr=LR, gram=True, fold_norm=fold))
+        split = stepped(
+            lambda ps, fold=fold_norm: Muon(ps, lr=LR, gram=True, fold_norm=fold, split_restart=True)
+        )
+        assert not any(torch.equal(a, b) for a, b in zip(split, gram, strict=True))  # it ran
+        # the Gram form is 2-4% of a step from torch's on these small matrices; the split restart too
+        for ours, gram_form in zip(off(split, torchs), off(gram, torchs), strict=True):
+            assert 0 < ours < 1.25 * gram_form + 0.005, (fold_norm, ours, gram_form)
 
 
 @pytest.mark.parametrize("blocks", [2, 3])

@@ -94,6 +94,7 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         fused=m.fused if m.fused is not None else device_type == "cuda",
         products=products_for(m.ns_products, device_type),
         fold_norm=m.ns_fold_norm,
+        split_restart=m.ns_split_restart,
         cuda_graph=m.cuda_graph if m.cuda_graph is not None else device_type == "cuda",
         ns_streams=m.ns_streams,
     )

@@ -155,6 +155,9 @@ class Muon(torch.optim.Optimizer):
     - ``ns_streams`` (default 1): CUDA streams on which the graph runs its independent Newton–Schulz
       stacks, and each bucket's update after its stacks, side by side (``graphed.Lanes``): the
       same results, the GPU's idle ends of one stack's products filled by another's;
+    - ``split_restart`` (default False): with ``gram``, the Gram form restarts from its first Gram
+      matrix kept in fp32 (``gram_iterations``' ``split_restart``) where that costs fewer FLOPs
+      (``uses_split_restart``): the same in exact arithmetic, different rounding;
 
     The shard group of each parameter comes from its DTensor's device mesh; no process group is
     passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
@@ -205,6 +208,7 @@ class Muon(torch.optim.Optimizer):
         fold_norm: bool = False,
         cuda_graph: bool = False,
         ns_streams: int = 1,
+        split_restart: bool = False,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -246,6 +250,7 @@ class Muon(torch.optim.Optimizer):
         self.fused = bool(fused)
         self.products = products
         self.fold_norm = bool(fold_norm and gram)  # only the Gram form reads the norm off its products
+        self.split_restart = bool(split_restart and gram)
         self.cuda_graph = bool(cuda_graph)
         self.ns_streams = int(ns_streams)
         self._graph: StepGraph | None = None
@@ -310,7 +315,7 @@ class Muon(torch.optim.Optimizer):
                     self._param_name(gi, i, p),
                     p,
                     ns[gi],
-                    cost=owner_cost(p.shape, len(ns[gi].per_step), self.gram, halves),
+                    cost=owner_cost(p.shape, len(ns[gi].per_step), self.gram, halves, self.split_restart),
                     row_state=row_state if ns[gi].normuon else 0,
                 )
                 for gi, i, p in active
@@ -432,7 +437,9 @@ class Muon(torch.optim.Optimizer):
         torch.optim.Muon's sequence, or the Gram form where ``gram`` takes it, its products evaluated
         by ``self.products``. Tests override it to step with another evaluation."""
         products = None if self.products is None else [self.products] * len(per_step)
-        return ns_iterations(X, per_step, gram=self.gram, products=products, **kw)
+        return ns_iterations(
+            X, per_step, gram=self.gram, products=products, split_restart=self.split_restart, **kw
+        )
 
     def _orthogonalize(self, part: Partition, bucket: Bucket, recv: Tensor, lanes: Lanes = NO_LANES) -> None:
         """Owner side: reassemble + normalise owned matrices from ``recv`` in one pass, Newton–Schulz

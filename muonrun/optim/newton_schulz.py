@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
+from muonrun.optim.ns_products import TORCH_PRODUCTS, Products, split_bf16
 from muonrun.optim.ns_scaling import DEFAULT_EPS, PRECONDITIONS, Scaling, scale_gram_, scale_input
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "resolve_ns_coefficients",
     "standard_iterations",
     "uses_gram_form",
+    "uses_split_restart",
 ]
 
 Coefficients = tuple[float, float, float]
@@ -109,6 +110,9 @@ NAMED_TABLES: dict[str, tuple[tuple[Coefficients, ...], float]] = {
 # products it has fewer FLOPs at any aspect above 1, but runs slower below 1.5 (docs/performance.md, [w4]).
 GRAM_RESTART = 2
 GRAM_MIN_ASPECT = 1.5
+# The split restart (``gram_iterations``' ``split_restart``) costs 10 m^3 FLOPs (8 with symmetric
+# products) where the restart from X costs 4 m^2 n (3): fewer from n = 2.5 m (2.7); from 3 on both.
+SPLIT_RESTART_MIN_ASPECT = 3.0
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
 
@@ -158,6 +162,7 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     precondition: str = "frobenius",
     fold_scaling: bool = False,
+    split_restart: bool = False,
 ) -> Tensor:
     """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in ``dtype`` (bf16).
 
@@ -168,7 +173,8 @@ def newton_schulz(
     cols``) is not transposed in memory: the same iteration is written ``A = X^T X; X = a X + X B^T``,
     so every tensor stays contiguous and cuBLAS reads the transposes for free.
     ``fold_identity=True`` evaluates ``a X + B X`` as ``(B + a I) X`` (see ``standard_iterations``);
-    ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``).
+    ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``), with
+    ``split_restart=True`` its split restart where that is cheaper (``uses_split_restart``).
     ``dtype=torch.float32`` runs the same sequence in fp32 (on CPUs without native bf16 matmuls it is
     several times faster: docs/performance.md).
     ``precondition="aol"`` scales the input by AOL instead of its Frobenius norm, and
@@ -192,7 +198,9 @@ def newton_schulz(
         if scale != 1.0:
             norm = norm * scale
         X = X / norm.clamp(min=eps)  # new tensor: never writes into G
-    out = ns_iterations(X, per_step, gram=gram, fold_identity=fold_identity, scaling=scaling)
+    out = ns_iterations(
+        X, per_step, gram=gram, fold_identity=fold_identity, scaling=scaling, split_restart=split_restart
+    )
     return out.reshape(G.shape)
 
 
@@ -216,6 +224,13 @@ def uses_gram_form(shape: Sequence[int], steps: int) -> bool:
     return steps > 0 and n >= GRAM_MIN_ASPECT * m
 
 
+def uses_split_restart(shape: Sequence[int], steps: int) -> bool:
+    """Whether ``split_restart`` applies to a matrix of this shape in the Gram form: it has a restart,
+    and its long side is long enough for the split restart to cost fewer FLOPs."""
+    m, n = sorted(shape[-2:])
+    return uses_gram_form(shape, steps) and steps > GRAM_RESTART and n >= SPLIT_RESTART_MIN_ASPECT * m
+
+
 def ns_iterations(
     X: Tensor,
     per_step: Sequence[Coefficients],
@@ -225,14 +240,17 @@ def ns_iterations(
     scaling: Scaling | None = None,
     out: Tensor | None = None,
     products: Sequence[Products] | None = None,
+    split_restart: bool = False,
 ) -> Tensor:
     """Newton–Schulz on a stack ``[k, rows, cols]``: with ``gram``, the Gram form where
     ``uses_gram_form``; else the standard one. ``X`` is normalised, or with ``scaling`` it is not and
     its scale is folded into the first iteration. ``products``: how each iteration's matrix products
     are evaluated (one ``ns_products.Products`` per iteration; None: torch's for all).
+    ``split_restart``: the Gram form's split restart where ``uses_split_restart``.
     Returns a new contiguous tensor, or ``out``."""
     if gram and uses_gram_form(X.shape, len(per_step)):
-        return gram_iterations(X, per_step, scaling=scaling, out=out, products=products)
+        split = split_restart and uses_split_restart(X.shape, len(per_step))
+        return gram_iterations(X, per_step, scaling=scaling, out=out, products=products, split_restart=split)
     return standard_iterations(X, per_step, fold_identity, scaling=scaling, out=out, products=products)
 
 
@@ -291,6 +309,7 @@ def gram_iterations(
     scaling: Scaling | None = None,
     out: Tensor | None = None,
     products: Sequence[Products] | None = None,
+    split_restart: bool = False,
 ) -> Tensor:
     """The same iterations on the Gram matrix of a normalised stack ``[k, rows, cols]``.
 
@@ -305,6 +324,16 @@ def gram_iterations(
     diagonal scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
     ``products``: one ``ns_products.Products`` per iteration (None: torch's); a restart before
     iteration i and the final ``Q X`` use iteration i's and the last iteration's.
+
+    ``split_restart``: rebuild ``R`` at the restart from the first Gram matrix instead of from ``X``:
+    ``R0 = X X^T`` is kept with its fp32 accumulation (as two bf16 halves, ``split_bf16``), the
+    restart forms ``R <- Q R0 Q`` on the m x m side (``Products.regram``) and starts a new ``Q``, and
+    the end applies ``(Q' Q) X``, one product with ``X`` instead of three. The exact arithmetic is
+    the same; bf16 alone is not enough for it: ``R0`` rounded to bf16 makes ``Q R0 Q`` disagree with
+    the Gram matrix of ``Q X`` by far more than the restart removes (benchmarks/gram_precision_numerics.py).
+    The restart's products with the n-sized side (``Q X``, 2 m^2 n FLOPs, and its Gram matrix, 2 m^2 n
+    or m^2 n as a symmetric product) become four m x m products and the final ``Q' Q`` (10 m^3 FLOPs,
+    8 m^3 with symmetric products): fewer where ``uses_split_restart``.
     """
     tall = X.shape[-2] > X.shape[-1]
 
@@ -316,19 +345,28 @@ def gram_iterations(
     if not per_step:
         return _finish(X if scaling is None else scale_input(X, scaling), out)
     ops_at = [TORCH_PRODUCTS] * len(per_step) if products is None else products
-    R, Q = ops_at[0].gram(X, tall), None
+    split = split_restart and restart is not None and 0 < restart < len(per_step)
+    R, Q, Q_before = (ops_at[0].gram_fp32 if split else ops_at[0].gram)(X, tall), None, None
     d = scale_gram_(R, scaling) if scaling is not None else None  # R' = D R D
+    if split:
+        R0 = split_bf16(R, X.dtype)  # [hi | lo]; the iterations take the high half
+        R = R0[..., : R.shape[-1]]
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
         ops = ops_at[i]
         if i == restart and Q is not None:
-            X, d = apply(ops, Q, X, d), None
-            R, Q = ops.gram(X, tall), None
+            if split:  # Q R0 Q is the Gram matrix of Q X; the end applies the new Q times this one
+                R, Q_before, Q = ops.regram(Q, R0), Q, None
+            else:
+                X, d = apply(ops, Q, X, d), None
+                R, Q = ops.gram(X, tall), None
         P = ops.poly(R, b, c)
         P.diagonal(dim1=-2, dim2=-1).add_(a)
         Q = P if Q is None else ops.sym_mm(P, Q)
         if i < last and i + 1 != restart:  # the next iteration needs R; a restart rebuilds it
             R = ops.sym_mm(ops.sym_mm(P, R), P)
+    if Q_before is not None:  # polynomials in different Gram matrices: the whole product, not a triangle
+        Q = ops_at[last].mm(Q, Q_before)
     dst = out if out is not None and not _overlaps(out, X) else None
     return _finish(apply(ops_at[last], Q, X, d, dst), out)
 
@@ -409,19 +447,28 @@ def orthogonality_residual(X: Tensor) -> Tensor:
 
 
 def newton_schulz_flops(
-    shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gram: bool = False, symmetric: bool = False
+    shape: Sequence[int],
+    steps: int = DEFAULT_NS_STEPS,
+    gram: bool = False,
+    symmetric: bool = False,
+    split_restart: bool = False,
 ) -> int:
     """Matmul FLOPs of ``newton_schulz`` on one ``rows x cols`` matrix: per iteration, on the wide
     orientation ``m x n`` (``m <= n``), ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n).
-    With ``gram`` (where it applies): the products ``gram_iterations`` makes. ``symmetric``: the
-    products whose result is symmetric (every one but ``B X`` and ``Q X``) counted at half, as a
-    symmetric GEMM that computes one triangle makes them (``ns_quack``)."""
+    With ``gram`` (where it applies): the products ``gram_iterations`` makes, with ``split_restart``
+    its split restart where ``uses_split_restart``. ``symmetric``: the products whose result is
+    symmetric (every one but ``B X``, ``Q X`` and the split restart's ``Q R0`` and ``Q' Q``) counted
+    at half, as a symmetric GEMM that computes one triangle makes them (``ns_quack``)."""
     m, n = sorted(shape[-2:])
     half = 1 if symmetric else 2  # FLOPs per multiply-add of a symmetric result
     if not (gram and uses_gram_form(shape, steps)):
         return steps * (half * m * m * n + half * m**3 + 2 * m * m * n)
     restart = steps > GRAM_RESTART
-    flops = (half + 2) * m * m * n * (1 + restart)  # X X^T and the final Q X; restart: Q X and X X^T again
+    flops = (half + 2) * m * m * n  # X X^T and the final Q X
+    if split_restart and uses_split_restart(shape, steps):
+        flops += (2 * 2 + 2 * half + 2) * m**3  # Q R0 (two halves), its halves times Q, the final Q' Q
+    elif restart:
+        flops += (half + 2) * m * m * n  # Q X and its Gram matrix
     for i in range(steps):
         fresh = i == 0 or (restart and i == GRAM_RESTART)  # Q = I: P Q costs nothing
         keeps_r = i < steps - 1 and i + 1 != GRAM_RESTART

@@ -24,6 +24,8 @@ import importlib.util
 import torch
 from torch import Tensor
 
+from muonrun import compat
+
 __all__ = [
     "SYMMETRIC_MIN_SIZE",
     "Products",
@@ -31,7 +33,10 @@ __all__ = [
     "quack_chosen",
     "quack_installed",
     "quack_pays",
+    "mm_fp32",
     "runs_symmetric",
+    "split_bf16",
+    "split_sum_bf16",
 ]
 
 SYMMETRIC_MIN_SIZE = 512
@@ -67,6 +72,79 @@ class Products:
         """``a Y + B Y`` on the wide orientation, ``a Y + Y B^T`` for a tall ``Y``, into ``out`` when
         given (torch.optim.Muon's ``baddbmm``)."""
         return torch.baddbmm(Y, Y, B.mT, beta=a, out=out) if tall else torch.baddbmm(Y, B, Y, beta=a, out=out)
+
+    def gram_fp32(self, Y: Tensor, tall: bool) -> Tensor:
+        """``gram`` with its fp32 accumulation kept (``mm_fp32``): a new fp32 ``[k, m, m]`` for bf16
+        ``Y`` (the split restart's first Gram matrix)."""
+        Z = Y.mT if tall else Y
+        return mm_fp32(Z, Z.mT)
+
+    def regram(self, Q: Tensor, R0: Tensor) -> Tensor:
+        """``Q R0 Q^T``, the Gram matrix of ``Q X`` for ``R0 = X X^T`` held in fp32 as two bf16
+        halves side by side, ``[hi | lo]`` ``[k, m, 2m]`` (``split_bf16``): a new symmetric
+        ``[k, m, m]`` in ``Q``'s dtype. ``S = Q R0`` is formed in fp32 (``[Q hi | Q lo]``, one
+        product) and split the same way, so every product has bf16 operands and the result keeps
+        about 16 bits of each factor, not 8 (``gram_iterations``' split restart)."""
+        S_hi, S_lo = split_sum_bf16(mm_fp32(Q, R0), Q.dtype)  # Q R0 is not symmetric: a whole product
+        return self.split_times(S_hi, S_lo, Q)
+
+    def split_times(self, S_hi: Tensor, S_lo: Tensor, Q: Tensor) -> Tensor:
+        """``(S_hi + S_lo) Q^T`` where that is symmetric (``regram``'s ``Q R0 Q^T``): new. ``Q^T``,
+        not ``Q``: torch's product of two polynomials is symmetric only up to rounding, which is the
+        precision this is for."""
+        return torch.baddbmm(torch.bmm(S_lo, Q.mT), S_hi, Q.mT)
+
+    def mm(self, A: Tensor, B: Tensor) -> Tensor:
+        """``A B``, any square stacks (no symmetry assumed): new."""
+        return torch.bmm(A, B)
+
+
+def mm_fp32(A: Tensor, B: Tensor) -> Tensor:
+    """``A B`` for stacks of bf16 (or fp32, fp64) operands, with at least fp32 accumulation and an
+    fp32 (fp64) result never rounded to bf16: ``bmm``'s ``out_dtype`` on CUDA, the product of the
+    operands upcast elsewhere (exact products of bf16 values, the same fp32 accumulation)."""
+    dtype = torch.promote_types(A.dtype, torch.float32)
+    if A.is_cuda and A.dtype != dtype:
+        return torch.bmm(A, B, out_dtype=dtype)
+    return torch.bmm(A.to(dtype), B.to(dtype))
+
+
+def _split(T: Tensor, dtype: torch.dtype) -> Tensor:
+    hi = T.to(dtype)
+    return torch.cat([hi, (T - hi.to(T.dtype)).to(dtype)], dim=-1)
+
+
+def _split_sum(S: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    m = S.shape[-1] // 2
+    T = S[..., :m] + S[..., m:]
+    hi = T.to(dtype)
+    return hi, (T - hi.to(T.dtype)).to(dtype)
+
+
+def _compiled_on_gpu(fn):
+    """``fn`` compiled (one fused kernel, instead of eager's four passes) for CUDA tensors, eager
+    elsewhere; compiled at its first CUDA call, which Muon makes before it captures a CUDA graph. Each
+    cast rounds as it does eagerly (``compat.precise_casts``): the low half is that rounding's error."""
+    compiled = None
+
+    def run(T: Tensor, dtype: torch.dtype):
+        nonlocal compiled
+        if not T.is_cuda:
+            return fn(T, dtype)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=False, options=compat.precise_casts())
+        return compiled(T, dtype)
+
+    return run
+
+
+split_bf16 = _compiled_on_gpu(_split)
+split_bf16.__doc__ = """``T`` (fp32 ``[k, m, m]``) as ``[hi | lo]`` ``[k, m, 2m]`` in ``dtype``: ``hi``
+is ``T`` rounded, ``lo`` the rounding error rounded again; together about 16 of fp32's 24 mantissa bits
+for bf16 (``T`` itself for ``T``'s own dtype, with ``lo`` zero)."""
+split_sum_bf16 = _compiled_on_gpu(_split_sum)
+split_sum_bf16.__doc__ = """``A + B`` for ``S = [A | B]`` (fp32 ``[k, m, 2m]``), as ``hi`` and ``lo``
+(``split_bf16``) in two ``[k, m, m]`` tensors."""
 
 
 TORCH_PRODUCTS = Products()

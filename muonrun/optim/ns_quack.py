@@ -99,12 +99,15 @@ class QuackProducts(Products):
             self._hopper[index] = torch.cuda.get_device_capability(index)[0] == 9
         return self._hopper[index]
 
-    def _symmetric(self, product: str, A: Tensor, B: Tensor, C: Tensor | None = None, alpha=1.0, beta=1.0):
-        """``alpha A B + beta C`` for a symmetric result: ``A`` ``[k, m, n]``, ``B`` ``[k, n, m]``."""
+    def _symmetric(
+        self, product: str, A: Tensor, B: Tensor, C: Tensor | None = None, alpha=1.0, beta=1.0, dtype=None
+    ):
+        """``alpha A B + beta C`` for a symmetric result: ``A`` ``[k, m, n]``, ``B`` ``[k, n, m]``; in
+        ``dtype`` (None: ``A``'s)."""
         if not self._on_hopper(A):
-            return self._gemm_symmetric(A, B, C=C, alpha=alpha, beta=beta)
+            return self._gemm_symmetric(A, B, C=C, alpha=alpha, beta=beta, out_dtype=dtype)
         m = A.shape[-2]
-        out = torch.empty(A.shape[0], m, m, dtype=A.dtype, device=A.device)
+        out = torch.empty(A.shape[0], m, m, dtype=dtype or A.dtype, device=A.device)
         tile_m, tile_n, cluster_m, pingpong = hopper_tiles(product, m)
         self._gemm_symmetric_tiled(
             A, B.mT, out, C, None, tile_M=tile_m, tile_N=tile_n, cluster_M=cluster_m, cluster_N=1,
@@ -117,6 +120,18 @@ class QuackProducts(Products):
         if not self._takes(Y, Z.shape[-2]):
             return super().gram(Y, tall)
         return self._symmetric("gram", Z, Z.mT)
+
+    def gram_fp32(self, Y: Tensor, tall: bool) -> Tensor:
+        Z = Y.mT if tall else Y
+        if not self._takes(Y, Z.shape[-2]):
+            return super().gram_fp32(Y, tall)
+        return self._symmetric("gram", Z, Z.mT, dtype=torch.float32)
+
+    def split_times(self, S_hi: Tensor, S_lo: Tensor, Q: Tensor) -> Tensor:
+        if not self._takes(Q, Q.shape[-1], S_hi, S_lo):
+            return super().split_times(S_hi, S_lo, Q)
+        # Q^T is Q bit for bit: quack's products made it, one triangle mirrored (the same _takes)
+        return self._symmetric("sym_mm", S_hi, Q, C=self._symmetric("sym_mm", S_lo, Q))
 
     def poly(self, A: Tensor, b: float, c: float) -> Tensor:
         if not self._takes(A, A.shape[-1]):

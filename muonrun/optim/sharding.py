@@ -287,11 +287,13 @@ def assign_owners(buckets: Sequence[Sequence[Item]], world: int) -> None:
         load[r] += it.cost
 
 
-def owner_cost(shape: Sequence[int], steps: int, gram: bool, symmetric: bool) -> int:
+def owner_cost(
+    shape: Sequence[int], steps: int, gram: bool, symmetric: bool, split_restart: bool = False
+) -> int:
     """Newton–Schulz FLOPs the owner of one ``rows x cols`` matrix runs, what owners are balanced on:
     with products that halve the symmetric results (``symmetric``, quack's), those of the matrices
-    they take (``runs_symmetric``) at half."""
-    return newton_schulz_flops(shape, steps, gram, runs_symmetric(shape, symmetric))
+    they take (``runs_symmetric``) at half; ``split_restart`` as Muon's."""
+    return newton_schulz_flops(shape, steps, gram, runs_symmetric(shape, symmetric), split_restart)
 
 
 def owner_flops(
@@ -301,6 +303,7 @@ def owner_flops(
     gram: bool = False,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     symmetric: bool = False,
+    split_restart: bool = False,
 ) -> dict[str, list[int]]:
     """Newton–Schulz FLOPs per rank of one optimizer step for matrices of these shapes on a shard
     group of ``world`` ranks: ``"balanced"``, as Muon assigns owners (``assign_owners``), and
@@ -311,7 +314,7 @@ def owner_flops(
     by_shape: dict[tuple[int, int], list[Item]] = {}
     for shape in shapes:
         rows, cols = int(shape[0]), int(shape[1])
-        cost = owner_cost((rows, cols), steps, gram, symmetric)
+        cost = owner_cost((rows, cols), steps, gram, symmetric, split_restart)
         by_shape.setdefault((rows, cols), []).append(Item(None, 0, rows, cols, rows, rows, cost))
     round_robin = [0] * world
     for i, it in enumerate(it for items in by_shape.values() for it in items):
