@@ -1,9 +1,9 @@
-"""Can the Gram form's rectangular products get cheaper? The CPU numerics check of two levers.
+"""Can the Gram form's rectangular products get cheaper? The CPU numerics check of three levers.
 
 At the presets' MLP shapes (896 x 4864, 1536 x 8960) the Gram form's four products with an n-sized side
 (``X X^T`` and ``Q X`` at the start, at the restart and at the end: ``gram_iterations``) carry about
-70% of Newton–Schulz's FLOPs as quack's symmetric products run them, the restart alone (``X <- Q X``, ``R <- X X^T``) about a third. Two
-levers would make them cheaper without dropping an iteration:
+70% of Newton–Schulz's FLOPs as quack's symmetric products run them, the restart alone (``X <- Q X``,
+``R <- X X^T``) about a third. Three levers would make them cheaper without dropping an iteration:
 
 - **float8 for ``Q X``**: the restart's product, or the final one, or both, with e4m3 operands
   (``ns_float8.Float8Products``' ``apply``, tensorwise scales, emulated as the fp32 matmul of the
@@ -15,6 +15,9 @@ levers would make them cheaper without dropping an iteration:
   products are fp16 (fp32 accumulation, rounded once), ``Q`` is rounded to bf16 for the final ``Q X``,
   and there is no restart. fp32 on the m x m side without a restart is the bound on what precision
   alone can give (fp32 products run far slower, so it is no lever).
+- **the split restart** (``split_restart``, Muon's ``ns_split_restart``): the restart's ``R`` as
+  ``Q R0 Q^T`` from the first Gram matrix kept in fp32 as two bf16 halves, on the m x m side, and the
+  final product ``(Q' Q) X``. "R0 in bf16" drops the low half, to show what the halves are for.
 
 Method: the default quintic x5 on the bf16, Frobenius-normalised input of each preset shape Muon runs in
 the Gram form, with singular values ``1/i`` (steep, gradient-like, ``gram_ns_numerics.gradient_like``)
@@ -22,8 +25,8 @@ and ``1/sqrt(i)`` (flatter), random singular vectors; each result against the ex
 SVD), ``||O - U V^T||_F / ||U V^T||_F``, as a change against the bf16 Gram form Muon runs. The yardstick:
 every element of the bf16 input moved by one ulp (up or down at random), then the bf16 Gram form again.
 
-Conclusion (what ``python benchmarks/gram_precision_numerics.py`` prints, worst of two seeds; both levers
-rejected). One ulp of input noise moves the distance by 0.7-6.7% on the steep spectrum and 0.1-0.4% on the
+Conclusion (what ``python benchmarks/gram_precision_numerics.py`` prints, worst of two seeds; the first two
+levers rejected). One ulp of input noise moves the distance by 0.7-6.7% on the steep spectrum and 0.1-0.4% on the
 flatter one; torch.optim.Muon's standard form lands 0.7-5.8% closer than the Gram form on the steep one.
 
 - float8 ``Q X`` at the restart: +38% on the 0.5B MLP matrices (896 x 4864), +14% to +81% over the steep
@@ -37,7 +40,11 @@ flatter one; torch.optim.Muon's standard form lands 0.7-5.8% closer than the Gra
   restart lands with the standard form (-0.7% to -5.6%). fp16 with the restart is as close as fp32,
   but it is not cheaper than what Muon runs.
 
-So the restart stays in bf16 and both ``Q X`` products stay bf16::
+- the split restart: within 0.6% of the restart from ``X`` on every shape and spectrum, well inside one ulp
+  of input noise; with ``R0`` in bf16 it lands 2.7x (1536 x 8960) to 81x (256 x 1536) farther on the
+  steep spectrum. Its speed: docs/performance.md ([w8]); it is the setting ``ns_split_restart``.
+
+So both ``Q X`` products stay bf16, and the restart's precision comes from the split, not from fp16::
 
     python benchmarks/gram_precision_numerics.py   # a few minutes on a CPU
 """
@@ -99,6 +106,14 @@ class SmallSide(Products):
         return TORCH_PRODUCTS.apply(B.to(bf16), Y.to(bf16), tall, out)
 
 
+class HighHalfOnly(Products):
+    """torch's products, but the split restart's first Gram matrix rounded to bf16 (its low half zero)."""
+
+    def regram(self, Q: Tensor, R0: Tensor) -> Tensor:
+        m = R0.shape[-1] // 2
+        return super().regram(Q, torch.cat([R0[..., :m], torch.zeros_like(R0[..., m:])], dim=-1))
+
+
 def test_matrix(m: int, n: int, power: float, seed: int) -> Tensor:
     """An ``m x n`` fp32 matrix with singular values ``i ** power`` and random singular vectors."""
     k = min(m, n)
@@ -117,12 +132,15 @@ def one_ulp(G: Tensor, seed: int) -> Tensor:
     return torch.where(pick, up, down).float()
 
 
-def gram_form(G: Tensor, products: tuple[Products, ...] | None = None, restart: int | None = 2) -> Tensor:
-    """Muon's Gram form of ``G`` (bf16 input, Frobenius-normalised), with ``products`` per iteration."""
+def gram_form(
+    G: Tensor, products: tuple[Products, ...] | None = None, restart: int | None = 2, split: bool = False
+) -> Tensor:
+    """Muon's Gram form of ``G`` (bf16 input, Frobenius-normalised), with ``products`` per iteration
+    and, with ``split``, the split restart."""
     per_step, norm_scale = resolve_ns_coefficients(DEFAULT_NS_COEFFICIENTS, STEPS)
     X = G.to(torch.bfloat16)[None]
     X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * norm_scale).clamp(min=DEFAULT_EPS)
-    return gram_iterations(X, per_step, restart, products=products)[0].double()
+    return gram_iterations(X, per_step, restart, products=products, split_restart=split)[0].double()
 
 
 def standard_form(G: Tensor) -> Tensor:
@@ -130,18 +148,20 @@ def standard_form(G: Tensor) -> Tensor:
     return newton_schulz(G, STEPS, DEFAULT_NS_COEFFICIENTS).double()
 
 
-def variants() -> dict[str, tuple[tuple[Products, ...], int | None]]:
-    """Each lever: its products per iteration and its restart (a restart before iteration i and the
-    final ``Q X`` take iteration i's and the last iteration's products)."""
+def variants() -> dict[str, tuple[tuple[Products, ...], int | None, bool]]:
+    """Each lever: its products per iteration, its restart (a restart before iteration i and the final
+    ``Q X`` take iteration i's and the last iteration's products) and whether it is the split restart."""
     t, f8 = TORCH_PRODUCTS, Float8Apply()
     fp16, fp32 = (SmallSide(torch.float16),) * STEPS, (SmallSide(torch.float32),) * STEPS
     return {
-        "float8 restart QX": ((t, t, f8, t, t), 2),
-        "float8 final QX": ((t, t, t, t, f8), 2),
-        "float8 both": ((t, t, f8, t, f8), 2),
-        "fp16, no restart": (fp16, None),
-        "fp16, restart": (fp16, 2),
-        "fp32, no restart": (fp32, None),
+        "float8 restart QX": ((t, t, f8, t, t), 2, False),
+        "float8 final QX": ((t, t, t, t, f8), 2, False),
+        "float8 both": ((t, t, f8, t, f8), 2, False),
+        "fp16, no restart": (fp16, None, False),
+        "fp16, restart": (fp16, 2, False),
+        "fp32, no restart": (fp32, None, False),
+        "split restart": ((t,) * STEPS, 2, True),
+        "split, R0 in bf16": ((HighHalfOnly(),) * STEPS, 2, True),
     }
 
 
@@ -168,8 +188,8 @@ def main() -> None:
                     "one ulp": distance(gram_form(one_ulp(G, seed))) / base - 1,
                     "standard form": distance(standard_form(G)) / base - 1,
                 }
-                for name, (products, restart) in levers.items():
-                    changes[name] = distance(gram_form(G, products, restart)) / base - 1
+                for name, (products, restart, split) in levers.items():
+                    changes[name] = distance(gram_form(G, products, restart, split)) / base - 1
                 for name, change in changes.items():
                     worst[name] = max(worst.get(name, change), change, key=abs)
             cells = "".join(f"{worst[name]:>+19.1%}" for name in names)

@@ -886,6 +886,11 @@ def test_dry_run_names_the_newton_schulz_settings_it_counts():
         "4 iterations, turbo coefficients, aol scaling, Gram form where wide, "
         "quack's symmetric products (one triangle of each symmetric result)"
     )
+    split = MuonConfig(gram_ns=True, ns_split_restart=True)
+    assert ns_settings(split, False) == (
+        "5 iterations, default coefficients, frobenius scaling, Gram form where wide, "
+        "split restart where 3x wide, torch's products"
+    )
 
 
 def test_newton_schulz_products_are_chosen_by_name_and_where_they_pay():

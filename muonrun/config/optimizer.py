@@ -75,12 +75,14 @@ class MuonConfig:
     division already rides in the copy that reassembles each matrix."""
     ns_split_restart: bool = False
     """With `gram_ns`: the Gram form's restart (before its third iteration, where it rebuilds the Gram
-    matrix so that bf16 rounding does not compound) works from the first Gram matrix X X^T, kept in
-    fp32 as two bf16 halves, instead of from the matrix: it forms Q (X X^T) Q on the small m x m side
-    instead of Q X and its Gram matrix on the n-sized side, and the end applies the product of both
-    polynomials to X. The same in exact arithmetic, and as close to the exact polar factor as the
-    restart from X (docs/performance.md); fewer FLOPs for matrices at least 3 times wider than tall
-    (the MLP's), the others restart from X. Figures in docs/performance.md."""
+    matrix so that bf16 rounding does not compound) starts from the first Gram matrix X X^T, kept in
+    fp32 as two bf16 halves, and forms Q (X X^T) Q^T on the small m x m side, instead of Q X and its
+    Gram matrix on the long side; the end applies the product of both polynomials to X. The same in
+    exact arithmetic and as close to the polar factor (bf16 alone would not be: the halves are what
+    make it work); 17-19% fewer Newton–Schulz FLOPs on matrices at least 3 times wider than tall (the
+    MLP's), the others restart from X. Newton–Schulz alone gets faster, most from the 1.5B size on;
+    figures in docs/performance.md. Off until the training check over several seeds passes; on GPUs
+    it compiles two small kernels at the first step."""
     cuda_graph: bool | None = None
     """Replay Muon's step from a CUDA graph: everything after its momentum pass, for the matrices a
     GPU steps on its own (all of them on one GPU; stacked experts on any number), captured at the third

@@ -72,7 +72,12 @@ def mlp_width(hf) -> int | None:
 
 
 def expert_ns_flops(
-    stacked: list, steps: int, dp_shard: int, gram: bool = False, symmetric: bool = False
+    stacked: list,
+    steps: int,
+    dp_shard: int,
+    gram: bool = False,
+    symmetric: bool = False,
+    split_restart: bool = False,
 ) -> list[int]:
     """Newton–Schulz FLOPs per rank for stacked expert parameters (their shape [E, a, b] and
     ``experts.ExpertLayout``: k matrices per expert): each rank orthogonalises the k matrices of each
@@ -81,7 +86,7 @@ def expert_ns_flops(
 
     per_rank = [0] * dp_shard
     for shape, layout in stacked:
-        cost = owner_cost(layout.matrix_shape(shape), steps, gram, symmetric)
+        cost = owner_cost(layout.matrix_shape(shape), steps, gram, symmetric, split_restart)
         for r in range(dp_shard):
             per_rank[r] += local_rows(shape[0], dp_shard, r) * layout.matrices * cost
     return per_rank
@@ -118,21 +123,26 @@ def memory_warning(s: dict, c) -> str | None:
 
 
 def ns_flops_per_rank(
-    shapes: list, steps: int, dp_shard: int, gram: bool = False, symmetric: bool = False
+    shapes: list,
+    steps: int,
+    dp_shard: int,
+    gram: bool = False,
+    symmetric: bool = False,
+    split_restart: bool = False,
 ) -> dict[str, list[int]]:
     """Muon's Newton–Schulz FLOPs of each of the dp_shard ranks per optimizer step: every matrix is
     orthogonalized once in each shard group, by one owner rank. `"balanced"`: the owners Muon picks
     (balanced by cost); `"round_robin"`: each shape's matrices dealt to the ranks in turn."""
     from muonrun.optim.sharding import owner_flops
 
-    return owner_flops(shapes, dp_shard, steps, gram, symmetric=symmetric)
+    return owner_flops(shapes, dp_shard, steps, gram, symmetric=symmetric, split_restart=split_restart)
 
 
 def ns_settings(m, symmetric: bool) -> str:
     """The Newton–Schulz settings the FLOPs are counted for, in words."""
     parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
     if m.gram_ns:
-        parts.append("Gram form where wide")
+        parts.append("Gram form where wide" + (", split restart where 3x wide" if m.ns_split_restart else ""))
     parts.append(
         "quack's symmetric products (one triangle of each symmetric result)"
         if symmetric
@@ -229,6 +239,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
                 shard,
                 cfg.optimizer.muon.gram_ns,
                 symmetric,
+                cfg.optimizer.muon.ns_split_restart,
             )
             if cfg.optimizer.name == "muon"
             else 0
@@ -241,6 +252,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
                 shard,
                 cfg.optimizer.muon.gram_ns,
                 symmetric,
+                cfg.optimizer.muon.ns_split_restart,
             )
             if cfg.optimizer.name == "muon"
             else [0] * shard
