@@ -327,9 +327,9 @@ def gram_iterations(
 
     ``split_restart``: rebuild ``R`` at the restart from the first Gram matrix instead of from ``X``:
     ``R0 = X X^T`` is kept with its fp32 accumulation (as two bf16 halves, ``split_bf16``), the
-    restart forms ``R <- Q R0 Q`` on the m x m side (``Products.regram``) and starts a new ``Q``, and
+    restart forms ``R <- Q R0 Q^T`` on the m x m side (``Products.regram``) and starts a new ``Q``, and
     the end applies ``(Q' Q) X``, one product with ``X`` instead of three. The exact arithmetic is
-    the same; bf16 alone is not enough for it: ``R0`` rounded to bf16 makes ``Q R0 Q`` disagree with
+    the same; bf16 alone is not enough for it: ``R0`` rounded to bf16 makes ``Q R0 Q^T`` disagree with
     the Gram matrix of ``Q X`` by far more than the restart removes (benchmarks/gram_precision_numerics.py).
     The restart's products with the n-sized side (``Q X``, 2 m^2 n FLOPs, and its Gram matrix, 2 m^2 n
     or m^2 n as a symmetric product) become four m x m products and the final ``Q' Q`` (10 m^3 FLOPs,
@@ -355,7 +355,7 @@ def gram_iterations(
     for i, (a, b, c) in enumerate(per_step):
         ops = ops_at[i]
         if i == restart and Q is not None:
-            if split:  # Q R0 Q is the Gram matrix of Q X; the end applies the new Q times this one
+            if split:  # Q R0 Q^T is the Gram matrix of Q X; the end applies the new Q times this one
                 R, Q_before, Q = ops.regram(Q, R0), Q, None
             else:
                 X, d = apply(ops, Q, X, d), None
