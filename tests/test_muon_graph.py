@@ -54,8 +54,8 @@ def assert_same(ours, ref, init, rtol):
         assert (p - q).abs().max().item() <= rtol * moved, tuple(p.shape)
 
 
-@pytest.mark.parametrize("variant", ["muon", "normuon"])
-def test_the_graphs_path_on_the_cpu_steps_as_the_plain_step(variant):
+@pytest.mark.parametrize("variant, split", [("muon", False), ("normuon", False), ("muon", True)])
+def test_the_graphs_path_on_the_cpu_steps_as_the_plain_step(variant, split):
     """The graph's path (momentum into the graph's buffers, the rest reading the step's scalars from
     its tensor) against the plain step, with eager passes (within fp32 rounding: the update's scalars
     are a tensor there, host numbers in the plain step) and traced ones (the same kernels: equal).
@@ -65,7 +65,14 @@ def test_the_graphs_path_on_the_cpu_steps_as_the_plain_step(variant):
     for traced in (False, True):
         runs = {graphed: [p.clone() for p in init] for graphed in (False, True)}
         opts = {  # the graphed one as GPU runs build it, on 3 streams: on a CPU it has none
-            graphed: make_muon(ps, graphed, variant=variant, fused=traced, ns_streams=3 if graphed else 1)
+            graphed: make_muon(
+                ps,
+                graphed,
+                variant=variant,
+                fused=traced,
+                ns_streams=3 if graphed else 1,
+                split_restart=split,
+            )
             for graphed, ps in runs.items()
         }
         if traced:
@@ -121,7 +128,8 @@ def test_on_a_gpu_a_replayed_step_is_the_eager_step():
     plain step's with the passes compiled (within fp32 rounding with eager ones), the lr changing every
     step, a telemetry step eager in the middle, for Muon and NorMuon (quack's products where installed);
     Muon's counters advance as if each step ran. Its stacks on three streams (``ns_streams``) give the
-    one-stream graph's steps bit for bit."""
+    one-stream graph's steps bit for bit. The same with the split restart (``split_restart``: its
+    compiled splits inside the graph; the 16 x 48 matrices and the experts take it)."""
     try:
         from muonrun.optim.ns_quack import QuackProducts
 
@@ -130,11 +138,17 @@ def test_on_a_gpu_a_replayed_step_is_the_eager_step():
         products = None
     init = make_params("cuda")
     streams = {"plain": 1, "graphed": 1, "lanes": 3}
-    for variant, fused in itertools.product(("muon", "normuon"), (True, False)):
+    for variant, fused, split in itertools.product(("muon", "normuon"), (True, False), (False, True)):
         runs = {kind: [p.clone() for p in init] for kind in streams}
         opts = {
             kind: make_muon(
-                ps, kind != "plain", variant=variant, fused=fused, products=products, ns_streams=streams[kind]
+                ps,
+                kind != "plain",
+                variant=variant,
+                fused=fused,
+                products=products,
+                ns_streams=streams[kind],
+                split_restart=split,
             )
             for kind, ps in runs.items()
         }
@@ -148,7 +162,7 @@ def test_on_a_gpu_a_replayed_step_is_the_eager_step():
         assert opts["graphed"].stats == opts["plain"].stats == opts["lanes"].stats
         assert opts["plain"].stats["orthogonalized"] > 0
         for p, q in zip(runs["lanes"], runs["graphed"], strict=True):
-            assert torch.equal(p, q), (variant, fused, tuple(p.shape))
+            assert torch.equal(p, q), (variant, fused, split, tuple(p.shape))
         if fused:  # compiled passes read the scalars from a device tensor either way: the same kernels
             for p, q in zip(runs["graphed"], runs["plain"], strict=True):
                 assert torch.equal(p, q), (variant, tuple(p.shape))
