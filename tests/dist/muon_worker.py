@@ -61,14 +61,18 @@ class FoldedMuon(Muon):
     optimizer, sharded or not, and tests/dist/muon_bench.py times it."""
 
     def _newton_schulz(self, X, per_step, *, scaling=None, out=None):
-        return ns_iterations(X, per_step, gram=self.gram, fold_identity=True, scaling=scaling, out=out)
+        return ns_iterations(
+            X, per_step, gram=self.gram, fold_identity=True, scaling=scaling, out=out, split_restart=self.split_restart
+        )
 
 
 # Muon's levers beyond torch's (test_muon.py checks each on one device): none, the fused passes (eager
-# here: torch's Newton–Schulz), or AOL scaling with Turbo-Muon's 4-iteration table
+# here: torch's Newton–Schulz), AOL scaling with Turbo-Muon's 4-iteration table, or the Gram form's
+# split restart (on the 20 x 4 and 1 x 9 matrices, the ones 3 times wider than tall)
 LEVERS = {
     "": ({}, {}),
     "fused": ({"fused": True}, {}),
+    "split": ({"split_restart": True}, {"split_restart": True}),
     "aol": (
         {"precondition": "aol", "ns_coefficients": "turbo", "ns_steps": 4},
         {"precondition": "aol", "coefficients": "turbo", "steps": 4},
@@ -213,7 +217,8 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
     """adjust_lr_fn x nesterov x weight decay combinations, 1 and 10 steps, vs the reference; a third
     of them NorMuon (bf16 and fp32 exchange), a third Muon with fp32 Newton–Schulz (the CPU path), a
     third torch's bf16 Muon; a quarter with the fused passes, a quarter with AOL scaling and its
-    4-iteration table (against our Muon on plain tensors with the same lever). Telemetry on
+    4-iteration table, two of the Gram-form ones with the split restart (each against our Muon on plain
+    tensors with the same lever). Telemetry on
     throughout, checked against the reference's last step."""
     shard_dim = len(mesh.shape) - 1
     shard_group = mesh.get_group(shard_dim)
@@ -230,7 +235,7 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         variant = "normuon" if ci % 3 == 1 else "muon"
         ns_dtype = torch.float32 if ci % 3 == 2 or (variant == "normuon" and ci % 2 == 0) else torch.bfloat16
         rtol = RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32
-        lever = {3: "fused", 2: "aol"}.get(ci % 4, "")
+        lever = {3: "fused", 2: "aol", 0: "split" if gram else ""}.get(ci % 4, "")
         steps = LEVERS[lever][0].get("ns_steps", 5)
         # mostly one big bucket, sometimes many tiny ones (exercises the async prefetch pipeline at
         # depths 1 to 3)
@@ -274,7 +279,9 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         per_rank = [0] * W
         for it in (it for part in opt._plan for b in part.buckets for it in b.items):
             per_rank[it.owner] += it.cost
-        assert per_rank == owner_flops(SHAPES, W, steps, gram, bucket)["balanced"], (what, per_rank)
+        split = LEVERS[lever][0].get("split_restart", False)
+        expected = owner_flops(SHAPES, W, steps, gram, bucket, split_restart=split)["balanced"]
+        assert per_rank == expected, (what, per_rank)
         # state: one momentum buffer per matrix, a DTensor with the parameter's placements; NorMuon's
         # per-row second moment laid out like the rows, equal to the reference's on this rank's rows
         for p, q in zip(params, ref_params, strict=True):
