@@ -109,7 +109,7 @@ def normalize_leading_(base: Tensor, rows: int, cols: int, norm_scale: float, ep
     frobenius_normalize_(leading(base, rows, cols), norm_scale, eps)
 
 
-def _fresh(fn: Callable) -> Callable:
+def fresh_code(fn: Callable) -> Callable:
     """A copy of ``fn`` with its own code object: dynamo keeps one cache per code object."""
     return types.FunctionType(
         fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
@@ -139,7 +139,7 @@ class Passes:
                 {"options": compat.no_loop_reordering()} if strided and self.backend == "inductor" else {}
             )
             compiled = torch.compile(
-                _fresh(fn), backend=self.backend, fullgraph=True, dynamic=False, **options
+                fresh_code(fn), backend=self.backend, fullgraph=True, dynamic=False, **options
             )
             self._fns[key] = compiled
         try:

@@ -20,11 +20,13 @@ they lose to cuBLAS's bf16 products at the presets' shapes (docs/performance.md)
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from muonrun import compat
+from muonrun import compat, log
+from muonrun.optim.fused import fresh_code
 
 __all__ = [
     "SYMMETRIC_MIN_SIZE",
@@ -123,17 +125,30 @@ def _split_sum(S: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 def _compiled_on_gpu(fn):
     """``fn`` compiled (one fused kernel, instead of eager's four passes) for CUDA tensors, eager
-    elsewhere; compiled at its first CUDA call, which Muon makes before it captures a CUDA graph. Each
-    cast rounds as it does eagerly (``compat.precise_casts``): the low half is that rounding's error."""
-    compiled = None
+    elsewhere; compiled per shape at its first CUDA call, which Muon makes before it captures a CUDA
+    graph. Each cast rounds as it does eagerly (``compat.precise_casts``): the low half is that
+    rounding's error. Where compiling fails, the eager ops run instead, with one warning."""
+    compiled: dict[tuple, Callable] = {}
+    failed = False
 
     def run(T: Tensor, dtype: torch.dtype):
-        nonlocal compiled
-        if not T.is_cuda:
+        nonlocal failed
+        if not T.is_cuda or failed:
             return fn(T, dtype)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=False, options=compat.precise_casts())
-        return compiled(T, dtype)
+        key = (tuple(T.shape), dtype)
+        if key not in compiled:  # a code object of its own per shape: no recompile limit to reach
+            compiled[key] = torch.compile(fresh_code(fn), dynamic=False, options=compat.precise_casts())
+        try:
+            return compiled[key](T, dtype)
+        except compat.compile_error() as e:  # compiling failed before anything ran
+            log.once(
+                "split-compile-failed",
+                f"the split restart's kernels could not be compiled ({type(e).__name__}); they run as "
+                "eager ops instead",
+                warn=True,
+            )
+            failed = True
+            return fn(T, dtype)
 
     return run
 
