@@ -4,9 +4,10 @@
 fp32 as two bf16 halves (``gram_iterations``' ``split_restart``): four m x m products and a final
 ``Q' Q`` instead of ``Q X`` and its Gram matrix on the n-sized side. This times Newton–Schulz on the
 stacks Muon forms on one GPU for the 0.5B preset and the 1.5B model (the MLP's gate/up and down
-matrices, the stacks the split restart changes) and on part of Qwen2-7B's, with torch's products and, where quack-kernels is
-installed, quack's; and each form's distance to the exact polar factor of one gradient-like matrix
-per stack (singular values 1/i, ``||O - U V^T||_F / ||U V^T||_F``, fp64 SVD).
+matrices, the stacks the split restart changes) and on part of Qwen2-7B's, with torch's products
+and, where quack-kernels is installed, quack's; and each form's distance to the exact polar factor
+of one gradient-like matrix per stack (singular values 1/i, ``||O - U V^T||_F / ||U V^T||_F``,
+fp64 SVD). docs/performance.md, [w8].
 
     python benchmarks/bench_ns_split_restart.py [--out split.json]
 
