@@ -129,6 +129,10 @@ def test_config_docs_is_a_reference():
             "'optimizer.muon.ns_streams' is 0; it must be at least 1",
         ),
         (
+            ["pretrain", "tiny", "--dry-run", "optimizer.muon.ns_split_restart=true"],
+            "'optimizer.muon.ns_split_restart' is true but 'optimizer.muon.gram_ns' is false",
+        ),
+        (
             ["pretrain", "tiny", "--dry-run", "data.seq_len=100000"],
             "'data.seq_len' is 100000, longer than the model's max_position_embeddings of 1024",
         ),

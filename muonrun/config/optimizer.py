@@ -74,7 +74,7 @@ class MuonConfig:
     holds them whole: one GPU, and stacked experts (docs/performance.md). Across several ranks the
     division already rides in the copy that reassembles each matrix."""
     ns_split_restart: bool = False
-    """With `gram_ns`: the Gram form's restart (before its third iteration, where it rebuilds the Gram
+    """Needs `gram_ns`: the Gram form's restart (before its third iteration, where it rebuilds the Gram
     matrix so that bf16 rounding does not compound) starts from the first Gram matrix X X^T, kept in
     fp32 as two bf16 halves, and forms Q (X X^T) Q^T on the small m x m side, instead of Q X and its
     Gram matrix on the long side; the end applies the product of both polynomials to X. The same in
@@ -137,6 +137,12 @@ class MuonConfig:
         if not 0.0 <= self.beta2 < 1.0:
             raise UserError(f"Config key 'optimizer.muon.beta2' is {self.beta2}; it must be in [0, 1).")
         at_least(1, **{"optimizer.muon.ns_streams": self.ns_streams})
+        if self.ns_split_restart and not self.gram_ns:  # the standard form has no restart to split
+            raise UserError(
+                "Config key 'optimizer.muon.ns_split_restart' is true but 'optimizer.muon.gram_ns' is false: "
+                "the split restart is the Gram form's. Set optimizer.muon.gram_ns=true as well (the Qwen2 "
+                "Muon presets do), or drop ns_split_restart."
+            )
 
 
 @dataclass
