@@ -141,8 +141,11 @@ def ns_flops_per_rank(
 def ns_settings(m, symmetric: bool) -> str:
     """The Newton–Schulz settings the FLOPs are counted for, in words."""
     parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
+    from muonrun.optim.newton_schulz import SPLIT_RESTART_MIN_ASPECT
+
     if m.gram_ns:
-        parts.append("Gram form where wide" + (", split restart where 3x wide" if m.ns_split_restart else ""))
+        split = f", split restart where {SPLIT_RESTART_MIN_ASPECT:g}x wide" if m.ns_split_restart else ""
+        parts.append("Gram form where wide" + split)
     parts.append(
         "quack's symmetric products (one triangle of each symmetric result)"
         if symmetric
