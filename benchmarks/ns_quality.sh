@@ -6,14 +6,15 @@
 #   RUNS= bash benchmarks/ns_quality.sh OUT_DIR [OUT_DIR...]     compare runs already made, one folder per seed
 # 1. A 1.5B Qwen2 (the presets' recipe: qwen2-muon-fsdp2 with the 1.5B shape of scripts/gpu_bench.sh,
 #    byte data on the Python standard library, seq 2048, micro-batch 8), 300 steps: the reference
-#    evaluation twice (REFERENCE: unfused step, torch's products, the norm divided by its own pass, no
-#    float8), then the defaults. Two runs of one evaluation with one seed and one data order still part
-#    (nondeterministic GPU kernels, amplified where the loss falls fastest), so the check prints how far
-#    the two references are apart beside how far the defaults are from the first. Passes when the
-#    defaults' loss at every 10th step is within 1% of the reference's, or within the references' own
-#    largest difference where that is more. One pair only estimates that spread: on an H200 the
-#    defaults run twice parted by 1.08%, the two references by 0.56% (docs/performance.md, [v6]). So it
-#    also compares the mean loss over the last third of the run, within 0.5% (or the references' own).
+#    evaluation twice (REFERENCE: unfused step, torch's products, the norm divided by its own pass, the
+#    Gram form's restart from X, no float8), then the defaults. Two runs of one evaluation with one seed
+#    and one data order still part (nondeterministic GPU kernels, amplified where the loss falls fastest),
+#    so the check prints how far the two references are apart beside how far the defaults are from the
+#    first. Passes when the defaults' loss at every 10th step is within 1% of the reference's, or within
+#    the references' own largest difference where that is more. One pair only estimates that spread: on
+#    an H200 the defaults run twice parted by 1.08%, the two references by 0.56% (docs/performance.md,
+#    [v6]). So it also compares the mean loss over the last third of the run, within 0.5% (or the
+#    references' own).
 # 2. The optimizer study's Muon and NorMuon (101M, lr 0.01, seed 42, 1,000 steps) with the defaults,
 #    run beside the 1.5B runs: passes when each final eval loss is within 0.5% of docs/data/study's
 #    (seed 42), or of the same study run without CANDIDATE made in the same folder (RUNS's study-base).
@@ -30,7 +31,7 @@ set -uo pipefail
 out=${1:?usage: ns_quality.sh OUT_DIR [OUT_DIR...]}
 export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")/.." && pwd)
-reference=${REFERENCE:-optimizer.muon.fused=false optimizer.muon.ns_products=torch optimizer.muon.ns_fold_norm=false}
+reference=${REFERENCE:-optimizer.muon.fused=false optimizer.muon.ns_products=torch optimizer.muon.ns_fold_norm=false optimizer.muon.ns_split_restart=false}
 candidate=${CANDIDATE:-}
 extra=${EXTRA:-}
 seeds=${SEEDS:-}

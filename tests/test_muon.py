@@ -878,18 +878,20 @@ def test_dry_run_names_the_newton_schulz_settings_it_counts():
     from muonrun.config import MuonConfig
     from muonrun.tools.plan import ns_settings
 
+    # the split restart is on by default and, like ns_fold_norm, applies only with the Gram form
+    assert MuonConfig().ns_split_restart and not MuonConfig().gram_ns
     assert ns_settings(MuonConfig(), False) == (
         "5 iterations, default coefficients, frobenius scaling, torch's products"
     )
+    assert not Muon([torch.nn.Parameter(torch.zeros(4, 16))], split_restart=True).split_restart
     aol = MuonConfig(ns_steps=4, ns_coefficients="turbo", ns_precondition="aol", gram_ns=True)
     assert ns_settings(aol, True) == (
-        "4 iterations, turbo coefficients, aol scaling, Gram form where wide, "
+        "4 iterations, turbo coefficients, aol scaling, Gram form where wide, split restart where 3x wide, "
         "quack's symmetric products (one triangle of each symmetric result)"
     )
-    split = MuonConfig(gram_ns=True, ns_split_restart=True)
-    assert ns_settings(split, False) == (
-        "5 iterations, default coefficients, frobenius scaling, Gram form where wide, "
-        "split restart where 3x wide, torch's products"
+    from_x = MuonConfig(gram_ns=True, ns_split_restart=False)
+    assert ns_settings(from_x, False) == (
+        "5 iterations, default coefficients, frobenius scaling, Gram form where wide, torch's products"
     )
 
 

@@ -32,10 +32,11 @@ class MuonConfig:
     default's and the optimizer study's 0.5% (docs/performance.md [v10]); for studies only."""
     gram_ns: bool = False
     """Newton–Schulz on the Gram matrix (X X^T) for matrices at least 1.5x wider than tall, with one
-    restart: the same iteration in exact arithmetic, about 40% fewer FLOPs on MLP-shaped matrices, as
-    close to the exact polar factor in bf16 as the standard form, and the same loss curve. It pays
-    where wide MLP matrices dominate the optimizer step (docs/performance.md). On in the Muon preset;
-    off by default so that `muon` alone is torch.optim.Muon's iteration."""
+    restart: the same iteration in exact arithmetic, about half the FLOPs on MLP-shaped matrices (40%
+    fewer with `ns_split_restart=false`), as close to the exact polar factor in bf16 as the standard
+    form, and the same loss curve. It pays where wide MLP matrices dominate the optimizer step
+    (docs/performance.md). On in the Muon preset; off by default so that `muon` alone is
+    torch.optim.Muon's iteration."""
     adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral"] = "original"
     """LR scaling per matrix shape A x B: `original` lr*sqrt(max(1, A/B)); `match_rms_adamw`
     lr*0.2*sqrt(max(A, B)) (reuse AdamW's lr); `spectral` lr*sqrt(A/B)."""
@@ -73,16 +74,16 @@ class MuonConfig:
     arithmetic up to where bf16 rounds; one pass fewer over Muon's largest matrices, where a rank
     holds them whole: one GPU, and stacked experts (docs/performance.md). Across several ranks the
     division already rides in the copy that reassembles each matrix."""
-    ns_split_restart: bool = False
-    """Needs `gram_ns`: the Gram form's restart (before its third iteration, where it rebuilds the Gram
+    ns_split_restart: bool = True
+    """With `gram_ns`: the Gram form's restart (before its third iteration, where it rebuilds the Gram
     matrix so that bf16 rounding does not compound) starts from the first Gram matrix X X^T, kept in
     fp32 as two bf16 halves, and forms Q (X X^T) Q^T on the small m x m side, instead of Q X and its
     Gram matrix on the long side; the end applies the product of both polynomials to X. The same in
     exact arithmetic and as close to the polar factor (bf16 alone would not be: the halves are what
     make it work); 17-19% fewer Newton–Schulz FLOPs on matrices at least 3 times wider than tall (the
-    MLP's), the others restart from X. Newton–Schulz alone gets faster, most from the 1.5B size on;
-    figures in docs/performance.md. Off until the training check over several seeds passes; on GPUs
-    it compiles two small kernels at the first step."""
+    MLP's), the others restart from X. Newton–Schulz alone runs 6-12% faster on the presets' MLP
+    shapes, and over four seeds it trains as the restart from X does (docs/performance.md). On GPUs it
+    compiles two small kernels at the first step; `false` restarts from X."""
     cuda_graph: bool | None = None
     """Replay Muon's step from a CUDA graph: everything after its momentum pass, for the matrices a
     GPU steps on its own (all of them on one GPU; stacked experts on any number), captured at the third
@@ -137,12 +138,6 @@ class MuonConfig:
         if not 0.0 <= self.beta2 < 1.0:
             raise UserError(f"Config key 'optimizer.muon.beta2' is {self.beta2}; it must be in [0, 1).")
         at_least(1, **{"optimizer.muon.ns_streams": self.ns_streams})
-        if self.ns_split_restart and not self.gram_ns:  # the standard form has no restart to split
-            raise UserError(
-                "Config key 'optimizer.muon.ns_split_restart' is true but 'optimizer.muon.gram_ns' is false: "
-                "the split restart is the Gram form's. Set optimizer.muon.gram_ns=true as well (the Qwen2 "
-                "Muon presets do), or drop ns_split_restart."
-            )
 
 
 @dataclass
