@@ -1,7 +1,7 @@
 """Cheaper Newton–Schulz: how close each lever gets to the exact polar factor, per preset shape.
 
 The levers (`optimizer.muon.*`): the Gram form (`gram_ns`), the Frobenius normalisation folded into
-the first product (`fused`), Polar Express coefficients, and AOL preconditioning (`ns_precondition=aol`,
+the first product (`fused`), the Gram form's split restart (`ns_split_restart`), Polar Express coefficients, and AOL preconditioning (`ns_precondition=aol`,
 Turbo-Muon, arXiv:2512.04632) with Turbo-Muon's published 4-iteration table (`turbo`). Each runs in bf16 (this CPU's native bf16 matmuls, fp32
 accumulation as on GPUs) on gradient-like matrices (random singular vectors, singular values
 ``i^-p``: p = 1 is benchmarks/gram_ns_numerics.py's, p = 0.5 a flatter spectrum) of every hidden-matrix
@@ -45,15 +45,16 @@ SHAPES = {
     "0.5B": {(896, 896): 48, (128, 896): 48, (4864, 896): 48, (896, 4864): 24},
     "1.5B": {(1536, 1536): 56, (256, 1536): 56, (8960, 1536): 56, (1536, 8960): 28},
 }
-# (label, coefficients, steps, gram, precondition, fold_scaling)
+# (label, coefficients, steps, gram, precondition, fold_scaling, split_restart)
 VARIANTS = [
-    ("torch x5", DEFAULT_NS_COEFFICIENTS, 5, False, "frobenius", False),
-    ("gram x5", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", False),
-    ("gram x5 folded", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", True),
-    ("polar express gram x5", "polar_express", 5, True, "frobenius", True),
-    ("default gram x4", DEFAULT_NS_COEFFICIENTS, 4, True, "frobenius", True),
-    ("aol turbo x4", "turbo", 4, False, "aol", True),
-    ("aol turbo gram x4", "turbo", 4, True, "aol", True),
+    ("torch x5", DEFAULT_NS_COEFFICIENTS, 5, False, "frobenius", False, False),
+    ("gram x5", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", False, False),
+    ("gram x5 folded", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", True, False),
+    ("gram x5 folded split", DEFAULT_NS_COEFFICIENTS, 5, True, "frobenius", True, True),
+    ("polar express gram x5", "polar_express", 5, True, "frobenius", True, False),
+    ("default gram x4", DEFAULT_NS_COEFFICIENTS, 4, True, "frobenius", True, False),
+    ("aol turbo x4", "turbo", 4, False, "aol", True, False),
+    ("aol turbo gram x4", "turbo", 4, True, "aol", True, False),
 ]
 SPECTRA = (1.0, 0.5)
 SEEDS = (0, 1)
@@ -78,9 +79,15 @@ def compare(shapes=SHAPES, spectra=SPECTRA, seeds=SEEDS) -> list[dict]:
                     G = spectral_matrix(m, n, p, seed)
                     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
                     polar = U @ Vh
-                    for label, coefficients, steps, gram, precondition, folded in VARIANTS:
+                    for label, coefficients, steps, gram, precondition, folded, split in VARIANTS:
                         out = newton_schulz(
-                            G, steps, coefficients, gram=gram, precondition=precondition, fold_scaling=folded
+                            G,
+                            steps,
+                            coefficients,
+                            gram=gram,
+                            precondition=precondition,
+                            fold_scaling=folded,
+                            split_restart=split,
                         ).double()
                         rows.append(
                             {
@@ -90,7 +97,9 @@ def compare(shapes=SHAPES, spectra=SPECTRA, seeds=SEEDS) -> list[dict]:
                                 "p": p,
                                 "seed": seed,
                                 "variant": label,
-                                "gflop": count * newton_schulz_flops((m, n), steps, gram) / 1e9,
+                                "gflop": count
+                                * newton_schulz_flops((m, n), steps, gram, split_restart=split)
+                                / 1e9,
                                 "gram_form": gram and uses_gram_form((m, n), steps),
                                 "to_polar": ((out - polar).norm() / polar.norm()).item(),
                                 # the step's size against an orthogonal matrix's (1): Muon's update scale
