@@ -6,7 +6,7 @@ Every rank builds the same expert stacks ([E, 2I, H] fused gate/up, [E, H, I] do
 Llama4's [E, in, out] layouts) and gradients from fixed seeds, shards a copy with ``fully_shard`` (dim 0:
 whole experts per rank) and keeps a reference of every expert matrix as its own plain 2-D tensor: gate
 rows, up rows and down of each expert. Plain Muon is compared with torch.optim.Muon on those matrices;
-NorMuon and fp32 Newton–Schulz with our Muon on them (itself checked against torch and the paper in
+NorMuon, fp32 Newton–Schulz and the Gram form with its split restart with our Muon on them (itself checked against torch and the paper in
 tests/test_muon.py). On 3 ranks the expert counts cover even (3), uneven (5) and a rank holding no
 expert (2 and 4 experts: torch.chunk gives the last rank none). Comparisons use each rank's own
 experts, without communication. Global rank 0 prints
@@ -26,7 +26,7 @@ from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import Muon, split_params
 from muonrun.optim.experts import ExpertLayout
 
-H, INTER = 12, 8
+H, INTER = 32, 8  # expert matrices 8 x 32 and 32 x 8: wide enough for the Gram form's split restart
 LR = 0.05
 RTOL = 0.02  # bf16: one ulp of a matrix's norm moves its update by ~0.4%; a wrong expert by 100%
 RTOL_FP32 = 1e-4
@@ -75,11 +75,13 @@ def full_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
 
 
 def run(
-    mesh, counts, variant: str, ns_dtype, adjust_lr_fn, nesterov, weight_decay, fused, layout, steps=4
+    mesh, counts, variant, ns_dtype, adjust_lr_fn, nesterov, weight_decay, fused, layout, gram, ref_split=None, steps=4
 ) -> float:
     """Step a sharded Toy and the per-matrix reference; return the worst relative error seen. ``fused``:
     the elementwise passes traced by dynamo (the backend runs its graph as it is), as on GPUs; ``layout``:
-    the family whose expert layout the Toy copies."""
+    the family whose expert layout the Toy copies; ``gram``: the Gram form with its split restart (the
+    Muon presets' Newton–Schulz), on the stacks and on the reference's separate matrices alike
+    (``ref_split``: the reference's split restart, where it differs)."""
     model = Toy(counts, seed=7, layout=layout)
     ref_model = Toy(counts, seed=7, layout=layout)
     fully_shard(model, mesh=mesh)
@@ -97,6 +99,8 @@ def run(
         variant=variant,
         ns_dtype=ns_dtype,
         fused=fused,
+        gram=gram,
+        split_restart=gram,
         **kw,
     )
     if fused:
@@ -106,10 +110,11 @@ def run(
         mats = [p.data] if p.ndim == 2 else expert_matrices(p.data, n, layout)
         ref_names += [n] * len(mats)
         ref_params += [nn.Parameter(m.clone()) for m in mats]
-    if variant == "muon" and ns_dtype == torch.bfloat16:
+    if variant == "muon" and ns_dtype == torch.bfloat16 and not gram:
         ref = torch.optim.Muon(ref_params, **kw)
     else:
-        ref = Muon(ref_params, variant=variant, ns_dtype=ns_dtype, **kw)
+        restart = gram if ref_split is None else ref_split
+        ref = Muon(ref_params, variant=variant, ns_dtype=ns_dtype, gram=gram, split_restart=restart, **kw)
     init = [p.detach().clone() for p in ref_params]
     for step in range(steps):
         grads = full_grads(ref_model, step)
@@ -219,13 +224,22 @@ def main() -> None:
         ("normuon", torch.float32, "original", True, 0.1, True, "gpt_oss"),
         ("normuon", torch.float32, "original", False, 0.1, False, "llama4"),
     ]
-    for variant, ns_dtype, adjust, nesterov, wd, fused, layout in combos:
-        err = run(mesh, counts, variant, ns_dtype, adjust, nesterov, wd, fused, layout)
+    # the Gram form with its split restart on the stacks (every expert matrix is 4 times wider than tall)
+    combos = [(*c, False) for c in combos] + [
+        ("muon", torch.bfloat16, "original", True, 0.1, False, "qwen2_moe", True),
+        ("normuon", torch.bfloat16, None, True, 0.1, True, "gpt_oss", True),
+    ]
+    for variant, ns_dtype, adjust, nesterov, wd, fused, layout, gram in combos:
+        err = run(mesh, counts, variant, ns_dtype, adjust, nesterov, wd, fused, layout, gram)
         tol = RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32
         what = f"{variant} {ns_dtype} adjust_lr_fn={adjust} nesterov={nesterov} wd={wd} fused={fused} {layout}"
+        what += " gram, split restart" if gram else ""
         assert err <= tol, f"rank {dist.get_rank()}: {what}: expert matrices differ by {err:.2e} (> {tol})"
         if dist.get_rank() == 0:
             print(f"{what}: worst relative difference {err:.1e}", flush=True)
+    # the split restart ran on the stacks: against a reference restarting from X they part (by rounding)
+    from_x = run(mesh, counts, *combos[-2][:-1], gram=True, ref_split=False)
+    assert from_x > 0, f"rank {dist.get_rank()}: the stacks' split restart matched a restart from X exactly"
 
     # Experts alone exchange nothing: no all-to-all, and every rank orthogonalises only its own matrices.
     model = Toy(counts, seed=3)
