@@ -6,10 +6,10 @@ Every rank builds the same expert stacks ([E, 2I, H] fused gate/up, [E, H, I] do
 Llama4's [E, in, out] layouts) and gradients from fixed seeds, shards a copy with ``fully_shard`` (dim 0:
 whole experts per rank) and keeps a reference of every expert matrix as its own plain 2-D tensor: gate
 rows, up rows and down of each expert. Plain Muon is compared with torch.optim.Muon on those matrices;
-NorMuon, fp32 Newton–Schulz and the Gram form with its split restart with our Muon on them (itself checked against torch and the paper in
-tests/test_muon.py). On 3 ranks the expert counts cover even (3), uneven (5) and a rank holding no
-expert (2 and 4 experts: torch.chunk gives the last rank none). Comparisons use each rank's own
-experts, without communication. Global rank 0 prints
+NorMuon, fp32 Newton–Schulz and the Gram form with its split restart with our Muon on them (itself
+checked against torch and the paper in tests/test_muon.py). On 3 ranks the expert counts cover even
+(3), uneven (5) and a rank holding no expert (2 and 4 experts: torch.chunk gives the last rank none).
+Comparisons use each rank's own experts, without communication. Global rank 0 prints
 ``MOE_WORKER_OK`` at the end.
 """
 
