@@ -81,9 +81,9 @@ class MuonConfig:
     Gram matrix on the long side; the end applies the product of both polynomials to X. The same in
     exact arithmetic and as close to the polar factor (bf16 alone would not be: the halves are what
     make it work); 17-19% fewer Newton–Schulz FLOPs on matrices at least 3 times wider than tall (the
-    MLP's), the others restart from X. Newton–Schulz alone runs 6-12% faster on the presets' MLP
-    shapes, and over four seeds it trains as the restart from X does (docs/performance.md). On GPUs it
-    compiles two small kernels at the first step; `false` restarts from X."""
+    MLP's), the others restart from X. It makes Newton–Schulz faster on the presets' MLP shapes and
+    trains as the restart from X does (figures and the training check: docs/performance.md). On GPUs
+    it compiles two small kernels at the first step; `false` restarts from X."""
     cuda_graph: bool | None = None
     """Replay Muon's step from a CUDA graph: everything after its momentum pass, for the matrices a
     GPU steps on its own (all of them on one GPU; stacked experts on any number), captured at the third

@@ -140,9 +140,9 @@ def ns_flops_per_rank(
 
 def ns_settings(m, symmetric: bool) -> str:
     """The Newton–Schulz settings the FLOPs are counted for, in words."""
-    parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
     from muonrun.optim.newton_schulz import SPLIT_RESTART_MIN_ASPECT
 
+    parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
     if m.gram_ns:
         split = f", split restart where {SPLIT_RESTART_MIN_ASPECT:g}x wide" if m.ns_split_restart else ""
         parts.append("Gram form where wide" + split)
