@@ -21,7 +21,7 @@ import time
 import torch
 
 from muonrun.optim import Muon
-from muonrun.optim.experts import ExpertLayout
+from muonrun.optim.groups import ExpertLayout
 
 
 def layouts(e: int, h: int, i: int) -> dict:

@@ -1,64 +1,67 @@
-"""Is Gram Newton–Schulz usable in bf16? The CPU numerics check behind Muon's `gram=True`.
+"""Is the Gram form as close to the polar factor as torch's iteration, in bf16? The CPU numerics check behind
+`optimizer.muon.gram_ns` (docs/performance.md, "Distance to the polar factor").
 
-For a wide m x n matrix (m <= n) standard Newton–Schulz costs 4 m^2 n + 2 m^3 FLOPs per iteration.
-The Gram form iterates on the m x m matrix R = X X^T instead: P = aI + bR + cR^2, Q <- P Q,
-R <- P R P, and returns Q X at the end, so the n-sized products happen only at the start and end.
-Exact arithmetic gives the same result; bf16 does not, so this compares both against the exact
-polar factor on gradient-like matrices (power-law spectrum), without and with one restart
-(X <- Q X, R <- X X^T) part-way:
+For each hidden-matrix shape of the 0.5B and 1.5B presets, on two spectra (singular values 1/i, like a
+gradient's, and the flatter 1/sqrt(i)) with random singular vectors, mean of two draws:
+``||O - U V^T|| / ||U V^T||`` for torch.optim.Muon's standard iteration, the Gram form restarting from X,
+and the Gram form as Muon runs it (its split restart where the matrix is 3x wider than tall, its norm
+folded into the first product). A few minutes on two cores:
 
     python benchmarks/gram_ns_numerics.py
 """
 
+from __future__ import annotations
+
 import torch
 
-from muonrun.optim.newton_schulz import (
-    DEFAULT_NS_COEFFICIENTS,
-    gram_iterations,
-    newton_schulz,
-    newton_schulz_flops,
-    resolve_ns_coefficients,
-)
+from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, NewtonSchulz, gram_iterations, newton_schulz
+
+SHAPES = {
+    "0.5B": [(896, 896), (128, 896), (4864, 896)],
+    "1.5B": [(1536, 1536), (256, 1536), (8960, 1536)],
+}
+PER_STEP = (DEFAULT_NS_COEFFICIENTS,) * 5
+
+
+def with_spectrum(m: int, n: int, power: float, seed: int) -> torch.Tensor:
+    """An m x n matrix with singular values i^-power and random singular vectors."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g))
+    return (U * torch.arange(1, k + 1, dtype=torch.float32) ** -power) @ V.T
 
 
 def gradient_like(m: int, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g))
-    V, _ = torch.linalg.qr(torch.randn(n, m, generator=g))
-    return (U * torch.arange(1, m + 1, dtype=torch.float32) ** -1.0) @ V.T
+    """Singular values 1/i: the steep spectrum of a gradient."""
+    return with_spectrum(m, n, 1.0, seed)
 
 
-def gram_newton_schulz(G, per_step, norm_scale, restart):
-    X = G.to(torch.bfloat16)
-    X = X / (X.float().norm() * norm_scale).to(torch.bfloat16)
-    return gram_iterations(X[None], per_step, restart)[0]
+def distances(G: torch.Tensor) -> dict[str, float]:
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    polar = U @ Vh
+    X = G.bfloat16()
+    normalized = (X / torch.linalg.vector_norm(X.float()).clamp(min=1e-7)).bfloat16()[None]
+    outputs = {
+        "standard x5 (torch's)": newton_schulz(G),
+        "Gram x5, restart from X": gram_iterations(normalized, PER_STEP)[0],
+        "Gram x5 (Muon's)": NewtonSchulz(gram=True)(X[None], normalized=False)[0],
+    }
+    return {k: ((v.double() - polar).norm() / polar.norm()).item() for k, v in outputs.items()}
 
 
 def main() -> None:
-    print("shape        coefficients   method          sv min  sv max  |O - polar|/|polar|  |O - standard|")
-    for m, n in [(256, 1354), (192, 1120)]:  # the aspect ratios of the 7B (5.29) and 1.5B (5.83) MLPs
-        G = gradient_like(m, n, seed=m)
-        U, _, Vh = torch.linalg.svd(G, full_matrices=False)
-        polar = U @ Vh
-        for label, coeffs in [("torch", DEFAULT_NS_COEFFICIENTS), ("polar_express", "polar_express")]:
-            per_step, scale = resolve_ns_coefficients(coeffs, 5)
-            standard = newton_schulz(G, 5, coeffs).float()
-            variants = [("standard", standard)] + [
-                (f"gram, restart {r}", gram_newton_schulz(G, per_step, scale, r).float())
-                for r in (None, 2, 3)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print("| shape (preset) | " + " | ".join(distances(gradient_like(8, 24, 0))) + " |")
+    print("|---|---:|---:|---:|")
+    for preset, shapes in SHAPES.items():
+        for m, n in shapes:
+            steep = [distances(with_spectrum(m, n, 1.0, seed)) for seed in (0, 1)]
+            flat = [distances(with_spectrum(m, n, 0.5, seed)) for seed in (0, 1)]
+            cells = [
+                f"{sum(d[k] for d in steep) / 2:.3f} / {sum(d[k] for d in flat) / 2:.3f}" for k in steep[0]
             ]
-            for name, out in variants:
-                s = torch.linalg.svdvals(out)
-                to_polar = ((out - polar).norm() / polar.norm()).item()
-                to_std = ((out - standard).norm() / standard.norm()).item()
-                print(
-                    f"{m}x{n:<6} {label:<14} {name:<15} {s.min():6.3f} {s.max():9.3f} {to_polar:12.3f} {to_std:16.3f}"
-                )
-    for name, (m, n) in {"7B MLP": (3584, 18944), "1.5B MLP": (1536, 8960), "square": (3584, 3584)}.items():
-        std, gram = newton_schulz_flops((m, n)), newton_schulz_flops((m, n), gram=True)
-        print(
-            f"{name}: standard {std / 1e12:.2f} TFLOP, gram=True {gram / 1e12:.2f} ({gram / std - 1:+.0%}; square: the standard form)"
-        )
+            print(f"| {m} x {n} ({preset}) | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -162,17 +162,17 @@ def test_muon_preset_settings_reach_the_optimizers():
     from muonrun.config import load_config
     from muonrun.optim.build import build_optimizers
 
-    cfg = load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=false", "optimizer.muon.ns_steps=4"])
+    cfg = load_config("qwen2-muon-fsdp2", ["optimizer.muon.gram_ns=false", "optimizer.muon.momentum=0.9"])
     muon, adamw = build_optimizers(tiny_qwen2(tied=True), cfg.optimizer, "cpu")
     assert type(muon).__name__ == "Muon" and isinstance(adamw, torch.optim.AdamW)
-    assert not muon.gram and muon.defaults["ns_steps"] == 4 and muon.defaults["lr"] == cfg.optimizer.muon.lr
-    assert muon.defaults["nesterov"] and muon.defaults["momentum"] == 0.95
+    assert not muon.newton_schulz.gram and muon.defaults["lr"] == cfg.optimizer.muon.lr
+    assert muon.defaults["nesterov"] and muon.defaults["momentum"] == 0.9
     assert build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cpu")[
         0
-    ].gram  # the preset's default
+    ].newton_schulz.gram  # the preset's default
     assert not build_optimizers(
         tiny_qwen2(tied=True), load_config("tiny", ["optimizer.name=muon"]).optimizer, "cpu"
-    )[0].gram  # the schema's: torch.optim.Muon's iteration
+    )[0].newton_schulz.gram  # the schema's: torch.optim.Muon's iteration
 
 
 def test_every_optimizer_name_the_config_allows_has_a_builder():

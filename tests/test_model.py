@@ -71,8 +71,8 @@ WIDE = ["model.hf.hidden_size=512", "model.hf.intermediate_size=1536"]
         ("tiny", "muon", ["optimizer.muon.gram_ns=true"]),
         ("tiny", "muon", ["optimizer.muon.variant=normuon"]),  # its row factors ride in the update pass
         # matrices of 512 and more a side: quack's products where installed; the step launched kernel by
-        # kernel, and NorMuon's step replayed from its CUDA graph
-        ("tiny", "muon", [*WIDE, "optimizer.muon.gram_ns=true", "optimizer.muon.cuda_graph=false"]),
+        # kernel (eager), and NorMuon's step replayed from its CUDA graph
+        ("tiny", "muon", [*WIDE, "optimizer.muon.gram_ns=true", "optimizer.muon.eager=true"]),
         ("tiny", "muon", [*WIDE, "optimizer.muon.gram_ns=true", "optimizer.muon.variant=normuon"]),
         # the MoE presets' path: grouped-GEMM experts in compiled layers, balance loss, z-loss, router
         # bias; Muon's compiled passes on the experts

@@ -145,7 +145,7 @@ def test_experts_stored_in_out_get_their_layout_and_train_with_muon(tmp_path):
     from typer.testing import CliRunner
 
     from muonrun.cli import app
-    from muonrun.optim.experts import ExpertLayout
+    from muonrun.optim.groups import ExpertLayout
 
     assert set(split_params(moe_model()).expert_layouts.values()) == {ExpertLayout(2), ExpertLayout(1)}
     sizes = dict(
@@ -172,7 +172,7 @@ def test_experts_stored_in_out_get_their_layout_and_train_with_muon(tmp_path):
             self.gate_up_proj = torch.nn.Parameter(torch.empty((4, 8, 16) if transposed else (4, 16, 8)))
             self.down_proj = torch.nn.Parameter(torch.empty(4, 8, 8))
 
-    from muonrun.optim.experts import expert_layout
+    from muonrun.optim.groups import expert_layout
 
     for transposed in (False, True):
         assert expert_layout(SquareExperts(transposed), "gate_up_proj") == ExpertLayout(2, transposed)

@@ -4,11 +4,8 @@ all-to-all path on 1-4 gloo ranks (tests/dist/muon_worker.py)."""
 from __future__ import annotations
 
 import copy
-import importlib
 import itertools
-import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,14 +14,13 @@ from helpers import run_workers, tiny_qwen2
 
 from muonrun.optim import (
     DEFAULT_NS_COEFFICIENTS,
-    POLAR_EXPRESS_COEFFICIENTS,
     Muon,
+    NewtonSchulz,
     adjust_lr,
     newton_schulz,
     newton_schulz_flops,
-    resolve_ns_coefficients,
 )
-from muonrun.optim.newton_schulz import ns_iterations
+from muonrun.optim.newton_schulz import ns_iterations, per_step_coefficients
 from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
 
 torch_muon = pytest.importorskip("torch.optim._muon")
@@ -35,6 +31,15 @@ SHAPES = [(16, 32), (48, 12), (24, 24), (16, 32), (16, 32), (7, 5), (1, 9), (9, 
 LR = 0.05
 RTOL = 0.02  # of how far the reference moved: bf16 Newton–Schulz rounding may differ by one ulp
 RTOL_FP32 = 1e-5  # fp32 Newton–Schulz: the same sums in other orders
+# A per-iteration table (Polar Express's, arXiv:2505.16932, its 1.02 norm folded into the first row): what a
+# study passes as its own coefficients
+PER_ITERATION = (
+    (7.996622083237707, -21.18541479543062, 14.732637283929022),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -113,13 +118,14 @@ def test_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay, ns_dtype, requ
 
 @pytest.mark.parametrize("adjust_lr_fn,nesterov", [(None, True), ("match_rms_adamw", False)])
 def test_folded_ns_close_to_torch(adjust_lr_fn, nesterov):
-    """The folded (B + aI) X evaluation differs from torch's a X + B X only by bf16 rounding."""
-    from tests.dist.muon_worker import FoldedMuon
+    """A study's own iteration, passed as ``newton_schulz`` (the folded (B + aI) X evaluation), is what
+    Muon steps with: it differs from torch's a X + B X only by bf16 rounding."""
+    from tests.dist.muon_worker import FoldedNewtonSchulz
 
     init = make_params(2)
     ours, ref = [p.clone() for p in init], [p.clone() for p in init]
     kw = dict(lr=LR, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    opt, ref_opt = FoldedMuon(ours, **kw), TorchMuon(ref, **kw)
+    opt, ref_opt = Muon(ours, **kw, newton_schulz=FoldedNewtonSchulz()), TorchMuon(ref, **kw)
     for step in range(10):
         set_grads([ours, ref], step)
         opt.step()
@@ -192,17 +198,16 @@ def test_fp32_newton_schulz_is_torchs_sequence_in_fp32():
 def test_ns_dtype_is_bf16_on_gpus_and_fp32_on_cpus_without_native_bf16(monkeypatch):
     from muonrun.optim.newton_schulz import ns_dtype_for
 
-    assert ns_dtype_for("auto", "cuda") == torch.bfloat16
-    assert (
-        ns_dtype_for("float32", "cuda") == torch.float32 and ns_dtype_for("bfloat16", "cpu") == torch.bfloat16
-    )
+    assert ns_dtype_for("cuda") == torch.bfloat16
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert ns_dtype_for("auto", "cpu") == torch.float32
+    assert ns_dtype_for("cpu") == torch.float32
+    assert Muon([torch.zeros(2, 3)]).ns_dtype == torch.float32  # Muon's own default: its parameters' device
+    assert Muon([torch.zeros(2, 3)], ns_dtype=torch.bfloat16).ns_dtype == torch.bfloat16
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    assert ns_dtype_for("auto", "cpu") == torch.bfloat16
+    assert ns_dtype_for("cpu") == torch.bfloat16
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    assert ns_dtype_for("auto", "cpu") == torch.float32
+    assert ns_dtype_for("cpu") == torch.float32
     with pytest.raises(ValueError, match="ns_dtype"):
         Muon([torch.zeros(2, 3)], ns_dtype=torch.float16)
 
@@ -267,180 +272,47 @@ def test_newton_schulz_batched_equals_torch():
     assert torch.count_nonzero(newton_schulz(torch.zeros(3, 5))) == 0  # eps guards the zero matrix
 
 
-def test_newton_schulz_orthogonalizes_and_polar_express_is_tighter():
+def test_newton_schulz_orthogonalizes_and_takes_a_table_per_iteration():
     G = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
     s_default = torch.linalg.svdvals(newton_schulz(G).float())
-    s_pe = torch.linalg.svdvals(newton_schulz(G, 5, "polar_express").float())
+    s_table = torch.linalg.svdvals(newton_schulz(G, 5, PER_ITERATION).float())
     assert s_default.min() > 0.5 and s_default.max() < 1.3
-    assert (s_pe - 1).abs().max() < (s_default - 1).abs().max()
-    per_step, scale = resolve_ns_coefficients("polar_express", 7)
-    assert per_step[:5] == POLAR_EXPRESS_COEFFICIENTS and per_step[6] == POLAR_EXPRESS_COEFFICIENTS[-1]
-    assert scale == pytest.approx(1.02)
-    assert resolve_ns_coefficients((1.0, 2.0, 3.0), 2) == (((1.0, 2.0, 3.0), (1.0, 2.0, 3.0)), 1.0)
+    assert (s_table - 1).abs().max() < (s_default - 1).abs().max()  # a table fitted per iteration: tighter
+    per_step = per_step_coefficients(PER_ITERATION, 7)
+    assert per_step[:5] == PER_ITERATION and per_step[6] == PER_ITERATION[-1]
+    assert per_step_coefficients((1.0, 2.0, 3.0), 2) == ((1.0, 2.0, 3.0), (1.0, 2.0, 3.0))
     with pytest.raises(ValueError):
-        resolve_ns_coefficients("bogus", 5)
+        per_step_coefficients([(1.0, 2.0)], 5)
 
 
-def _script(name):
-    """A numerics script of benchmarks/ as a module (they import each other by name, as when run)."""
-    scripts = str(Path(__file__).parents[1] / "benchmarks")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    return importlib.import_module(name)
-
-
-def test_polar_express_table_is_the_greedy_minimax_construction():
-    """benchmarks/polar_express_coefficients.py rebuilds the published 5-iteration table; its tables for
-    fewer iterations are that table's first rows with the safety factor taken off the last one."""
-    script = _script("polar_express_coefficients")
-    for row, published in zip(script.polar_express_coefficients(5), POLAR_EXPRESS_COEFFICIENTS, strict=True):
-        assert row == pytest.approx(published, rel=1e-13, abs=0)
-    s = script.SAFETY
-    for steps in (3, 4):
-        table = script.polar_express_coefficients(steps)
-        assert len(table) == steps
-        for row, published in zip(table[:-1], POLAR_EXPRESS_COEFFICIENTS, strict=False):
-            assert row == pytest.approx(published, rel=1e-13, abs=0)
-        a, b, c = POLAR_EXPRESS_COEFFICIENTS[steps - 1]
-        assert table[-1] == pytest.approx((a * s, b * s**3, c * s**5), rel=1e-13, abs=0)
-    # each polynomial is minimax on its interval: the error 1 - p equioscillates at 4 points
-    lo, hi = 0.05, 0.9
-    a, b, c = script.optimal_quintic(lo, hi)
-    x = torch.linspace(lo, hi, 100001, dtype=torch.float64)
-    err = 1 - (a * x + b * x**3 + c * x**5)
-    E = err.abs().max().item()
-    assert err[0].item() == pytest.approx(E, rel=1e-9) and err[-1].item() == pytest.approx(-E, rel=1e-9)
-    assert (err[1:] * err[:-1] < 0).sum() == 3  # sign changes between the 4 alternation points
-
-
-def test_fewer_polar_express_iterations_do_not_reach_the_default_quintic():
-    """On gradient-like matrices (power-law spectrum) Polar Express at 5 iterations is closer to the
-    polar factor than the default quintic at 5; at 4 iterations (cut or rebuilt table) it is farther,
-    so resolve_ns_coefficients keeps cutting the 5-iteration table. Exact arithmetic on the spectrum of
-    the presets' hidden sizes, and bf16/fp32 Newton–Schulz on a small matrix that agrees with it."""
-    script = _script("polar_express_coefficients")
-    gradient_like = _script("gram_ns_numerics").gradient_like
-    pe4, pe5 = script.polar_express_coefficients(4), POLAR_EXPRESS_COEFFICIENTS
-    schedules = {
-        "default5": ([DEFAULT_NS_COEFFICIENTS] * 5, 1.0),
-        "pe5": (pe5, 1.02),
-        "pe4": (pe4, 1.02),
-        "pe5_cut4": (pe5[:4], 1.02),
-    }
-    for m in (896, 1536):
-        d = {k: script.spectrum_distance(t, scale, m) for k, (t, scale) in schedules.items()}
-        assert d["pe5"] < d["default5"] < min(d["pe4"], d["pe5_cut4"]), (m, d)
-        assert d["pe4"] == pytest.approx(d["pe5_cut4"], rel=0.02)
-    G = gradient_like(128, 512, seed=0)
-    u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
-    polar = u @ vh
-    for dtype in (torch.float32, torch.bfloat16):
-        d = {}
-        for k, (table, scale) in schedules.items():
-            out = newton_schulz(G, len(table), table, norm_scale=scale, dtype=dtype).double()
-            d[k] = ((out - polar).norm() / polar.norm()).item()
-            assert d[k] == pytest.approx(script.spectrum_distance(table, scale, 128), abs=0.01), (dtype, k)
-        assert d["pe5"] < 0.6 * d["default5"] and d["default5"] < 0.6 * min(d["pe4"], d["pe5_cut4"]), d
-
-
-def test_polar_express_x4_stays_bounded_with_somewhat_larger_updates():
-    """`ns_coefficients=polar_express ns_steps=4` (the cut table; README, docs/performance.md [v10]) in
-    the Gram form in bf16, as a GPU runs it: every singular value stays in (0.2, 1.7) on a gradient-like
-    (1/i) and a Gaussian spectrum, and its update is larger than the default quintic's at 5 iterations
-    (their largest singular values about 1.58 and 1.14-1.20) by at most 40% in RMS on these small
-    matrices (6-8% at the presets' shapes on a 1/i spectrum: docs/performance.md [v10]), the step size
-    it trained with."""
-    gradient_like = _script("gram_ns_numerics").gradient_like
-    inputs = {
-        "1/i": gradient_like(128, 512, seed=0),
-        "gaussian": torch.randn(128, 512, generator=torch.Generator().manual_seed(20)),
-    }
-    for name, G in inputs.items():
-        pe4 = newton_schulz(G, 4, "polar_express", gram=True, dtype=torch.bfloat16).double()
-        default = newton_schulz(G, 5, gram=True, dtype=torch.bfloat16).double()
-        s_pe4, s_default = torch.linalg.svdvals(pe4), torch.linalg.svdvals(default)
-        assert s_pe4.min() > 0.2 and s_pe4.max() < 1.7, (name, s_pe4.min(), s_pe4.max())
-        assert s_pe4.max() > 1.4 and s_default.max() < 1.25, name
-        ratio = (pe4.norm() / default.norm()).item()
-        assert 1.0 < ratio < 1.4, (name, ratio)
-
-
-def test_ns_quality_compares_each_seed_and_their_means(tmp_path, capsys):
-    """benchmarks/ns_quality.sh's comparison: per seed, the candidate's signed difference from the reference
-    (1.5B) and from the study run without it, or from docs/data/study at seed 42; over several seeds, the
-    means and on how many seeds the candidate is higher, held to the same bounds."""
-    compare = _script("ns_quality_compare")
-
-    def run(folder, seed, losses=None, eval_loss=None):
-        folder.mkdir(parents=True)
-        (folder / "config.yaml").write_text(f"train:\n  seed: {seed}\n")
-        rows = [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses or [])]
-        rows += [{"step": 1000, "eval_loss": eval_loss}] if eval_loss is not None else []
-        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-    reference = [4.0, 2.0, 1.0]
-    study = tmp_path / "study"
-    run(study / "muon-lr0.01-seed42", 42, eval_loss=0.30)
-    # seed 42: 1% higher, then 0.2% lower; seed 43: 3% higher at every step; the study at seed 42 against
-    # docs/data/study's run, at seed 43 against its base run beside it
-    run(tmp_path / "s42" / "reference", 42, reference)
-    run(tmp_path / "s42" / "defaults", 42, [4.04, 2.0, 0.998])
-    run(tmp_path / "s42" / "study-muon", 42, eval_loss=0.3003)
-    run(tmp_path / "s43" / "reference", 43, reference)
-    run(tmp_path / "s43" / "defaults", 43, [x * 1.03 for x in reference])
-    run(tmp_path / "s43" / "study-muon", 43, eval_loss=0.306)
-    run(tmp_path / "s43" / "study-muon-base", 43, eval_loss=0.300)
-    run(tmp_path / "s44" / "study-muon", 44, eval_loss=0.31)  # no base and not seed 42: not compared
-    compare.main([str(study), str(tmp_path / "s42"), str(tmp_path / "s43"), str(tmp_path / "s44")])
-    out = capsys.readouterr().out
-    s42, s43, s44, means = out.split("== ")[1:]
-    assert "1.0000% at step 10 (the candidate higher)" in s42 and "limit 1.0000%" in s42
-    assert "defaults -0.2000% from the reference" in s42 and "0.5%, or the references' own): pass" in s42
-    assert "0.3003 vs 0.3000 (docs/data/study; +0.100%, limit 0.5%): pass" in s42
-    assert "3.0000% at step 10" in s43 and ": FAIL" in s43
-    assert "0.3060 vs 0.3000 (the same seed without the candidate; +2.000%, limit 0.5%): FAIL" in s43
-    assert "seed 44, no study-muon-base beside it" in s44 and "not compared" in s44
-    assert means.startswith("means over 3 seeds")
-    assert "largest mean relative difference +2.0000% at step 10; limit 1%: FAIL" in means
-    assert "+1.4000% on average (-0.20%, +3.00%" in means and "the candidate higher on 1 of 2" in means
-    assert "study-muon, 2 seeds: final eval loss +1.050% on average" in means and "higher on 2 of 2" in means
-
-
-@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4), (2, 7, 3), (2, 7)])
-@pytest.mark.parametrize(
-    "steps, gram, split",
-    [
-        (3, False, False),
-        (3, True, False),
-        (5, True, False),
-        (1, True, False),
-        (5, True, True),
-        (2, True, True),
-    ],
-)
-def test_newton_schulz_flops_counts_what_runs(shape, steps, gram, split):
-    """The closed form behind the dry-run plan's Muon estimate equals the matmul FLOPs torch counts."""
+@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4), (2, 7, 3), (2, 7), (3, 7)])
+@pytest.mark.parametrize("steps, gram", [(3, False), (3, True), (5, True), (1, True), (2, True)])
+def test_newton_schulz_flops_counts_what_runs(shape, steps, gram):
+    """The closed form behind the dry-run plan's Muon estimate and the owners' balance equals the matmul
+    FLOPs torch counts: the standard form, the Gram form restarting from X (3 x 7, 2.3 times wider than
+    tall) and with its split restart (2 x 7)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with counter:
-        newton_schulz(torch.randn(shape), steps=steps, gram=gram, split_restart=split)
-    flops = newton_schulz_flops(shape, steps, gram, split_restart=split)
+        newton_schulz(torch.randn(shape), steps=steps, gram=gram)
+    flops = newton_schulz_flops(shape, steps, gram)
     assert counter.get_total_flops() == math.prod(shape[:-2]) * flops
     assert newton_schulz_flops((3, 5), 5) == 5 * (4 * 9 * 5 + 2 * 27)  # by hand
-    # the split restart where it applies: 10 m^3 instead of Q X and its Gram matrix, 4 m^2 n
-    assert (
-        newton_schulz_flops((2, 7), 5, True, split_restart=True)
-        == newton_schulz_flops((2, 7), 5, True) - 4 * 4 * 7 + 10 * 8
-    )
+    # the split restart (2 x 7) costs 10 m^3 where the restart from X costs Q X and its Gram matrix, 4 m^2 n
+    from muonrun.optim.newton_schulz import gram_iterations
+
+    with FlopCounterMode(display=False) as from_x:
+        gram_iterations(torch.randn(1, 2, 7), [DEFAULT_NS_COEFFICIENTS] * 5)
+    assert newton_schulz_flops((2, 7), 5, True) == from_x.get_total_flops() - 4 * 4 * 7 + 10 * 8
     # symmetric: the products with a symmetric result (all but ``apply``) at half, as counted while they run
     symmetric = SymmetricFlops()
     X = torch.randn(shape).reshape(-1, *shape[-2:])
     with FlopCounterMode(display=False) as whole:
         ns_iterations(X / X.norm(dim=(-2, -1), keepdim=True), [DEFAULT_NS_COEFFICIENTS] * steps, gram=gram,
-                      products=[symmetric] * steps, split_restart=split)  # fmt: skip
+                      products=symmetric)  # fmt: skip
     assert whole.get_total_flops() - symmetric.flops // 2 == X.shape[0] * newton_schulz_flops(
-        shape, steps, gram, symmetric=True, split_restart=split
+        shape, steps, gram, symmetric=True
     )
 
 
@@ -474,63 +346,75 @@ class SymmetricFlops(Products):
 
 
 def test_symmetric_products_are_counted_at_half_only_where_quack_takes_them():
-    """The dry run's count with `ns_products=quack`: matrices below SYMMETRIC_MIN_SIZE on their smaller
-    side run torch's products, so their FLOPs stay whole."""
-    from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE
-    from muonrun.optim.sharding import owner_flops
+    """quack's products halve the symmetric results of matrices from SYMMETRIC_MIN_SIZE on their smaller
+    side (``QuackProducts.halves``, read without importing quack); the iteration counts its FLOPs so."""
+    from types import SimpleNamespace
 
+    from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE
+    from muonrun.optim.ns_quack import QuackProducts
+
+    class LikeQuack(Products):
+        def halves(self, shape):
+            return QuackProducts.halves(SimpleNamespace(min_size=SYMMETRIC_MIN_SIZE), shape)
+
+    ns = NewtonSchulz(gram=True, products=LikeQuack())
     for shape in [(128, 896), (896, 4864), (SYMMETRIC_MIN_SIZE, SYMMETRIC_MIN_SIZE)]:
         takes = min(shape) >= SYMMETRIC_MIN_SIZE
-        counted = owner_flops([shape], 1, 5, True, symmetric=True)["balanced"]
-        assert counted == [newton_schulz_flops(shape, 5, True, symmetric=takes)]
-        assert (counted[0] < newton_schulz_flops(shape, 5, True)) == takes
+        assert ns.flops(shape) == newton_schulz_flops(shape, 5, True, symmetric=takes)
+        assert (ns.flops(shape) < newton_schulz_flops(shape, 5, True)) == takes
 
 
-def test_muon_balances_owners_on_the_flops_its_products_run():
-    """Muon's owner costs are the dry-run's: halved symmetric products where its products halve them
-    (quack's, here torch's products claiming to) for the matrices quack takes, whole otherwise."""
+def test_muon_balances_owners_on_the_flops_its_iteration_runs():
+    """Muon's owner costs are its iteration's ``flops`` (what the dry run counts): halved symmetric
+    products where its products halve them, whole otherwise, the Gram form's where it is on."""
     from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE
     from muonrun.optim.sharding import owner_flops
 
     class Halving(Products):
-        halves_symmetric = True
+        def halves(self, shape):
+            return min(shape) >= SYMMETRIC_MIN_SIZE
 
     shapes = [
         (128, 896),
         (SYMMETRIC_MIN_SIZE, 2 * SYMMETRIC_MIN_SIZE),
         (SYMMETRIC_MIN_SIZE, SYMMETRIC_MIN_SIZE),
     ]
-    for products, symmetric in [(None, False), (Products(), False), (Halving(), True)]:
+    for ns, symmetric in [
+        (NewtonSchulz(gram=True), False),
+        (NewtonSchulz(gram=True, products=Halving()), True),
+    ]:
         params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
         for p in params:
             p.grad = torch.zeros_like(p)
-        opt = Muon(params, lr=LR, gram=True, products=products)
-        costs = {
-            (it.rows, it.cols): it.cost for part in opt._get_plan() for b in part.buckets for it in b.items
-        }
-        assert costs == {s: owner_flops([s], 1, 5, True, symmetric=symmetric)["balanced"][0] for s in shapes}
+        opt = Muon(params, lr=LR, newton_schulz=ns)
+        opt.step()
+        costs = {(it.rows, it.cols): it.cost for part in opt.plan for b in part.buckets for it in b.items}
+        assert costs == {s: owner_flops([s], 1, ns.flops)["balanced"][0] for s in shapes}
         whole = {s: newton_schulz_flops(s, 5, True) for s in shapes}
         assert [costs[s] < whole[s] for s in shapes] == [False, symmetric, symmetric]
+    with pytest.raises(ValueError, match="not both"):
+        Muon(params, gram=True, newton_schulz=NewtonSchulz())
 
 
 def test_gram_newton_schulz_is_cheaper_only_where_it_is_used():
     mlp, square = (1536, 8960), (1536, 1536)  # Qwen2-1.5B's MLP and attention matrices
+    # with its split restart (restarting from X it would be 0.59)
     assert newton_schulz_flops(mlp, 5, gram=True) / newton_schulz_flops(mlp, 5) == pytest.approx(
-        0.59, abs=0.01
+        0.48, abs=0.01
     )
     assert newton_schulz_flops(square, 5, gram=True) == newton_schulz_flops(square, 5)
     G = torch.randn(2, 24, 24)
     assert torch.equal(newton_schulz(G, gram=True), newton_schulz(G))  # square: the standard form
 
 
-@pytest.mark.parametrize("coefficients", [DEFAULT_NS_COEFFICIENTS, "polar_express"])
+@pytest.mark.parametrize("coefficients", [DEFAULT_NS_COEFFICIENTS, PER_ITERATION])
 def test_gram_newton_schulz_is_the_standard_iteration_in_exact_arithmetic(coefficients):
     """In float64 the Gram form (with its restart) and the standard iteration agree to rounding."""
     from muonrun.optim.newton_schulz import gram_iterations, standard_iterations
 
     g = torch.Generator().manual_seed(4)
     for steps in (1, 2, 3, 5, 7):
-        per_step, _ = resolve_ns_coefficients(coefficients, steps)
+        per_step = per_step_coefficients(coefficients, steps)
         for shape in [(3, 6, 16), (2, 20, 4), (1, 1, 9)]:  # wide, tall, a row vector
             X = torch.randn(*shape, generator=g, dtype=torch.float64)
             X = X / X.norm(dim=(-2, -1), keepdim=True)
@@ -550,7 +434,7 @@ def test_gram_newton_schulz_in_bf16_is_as_close_to_the_polar_factor():
     G = (U * torch.arange(1, m + 1) ** -1.0) @ V.T
     u, _, vh = torch.linalg.svd(G, full_matrices=False)
     polar = u @ vh
-    for coefficients in (DEFAULT_NS_COEFFICIENTS, "polar_express"):
+    for coefficients in (DEFAULT_NS_COEFFICIENTS, PER_ITERATION):
         for M in (G, G.T):
             standard = newton_schulz(M, coefficients=coefficients, fold_identity=True).float()
             gram = newton_schulz(M, coefficients=coefficients, gram=True).float()
@@ -563,11 +447,11 @@ def test_gram_newton_schulz_in_bf16_is_as_close_to_the_polar_factor():
 
 
 def test_the_split_restart_is_the_gram_form_to_rounding_and_needs_its_low_half():
-    """``split_restart``: the restart's Gram matrix as ``Q R0 Q^T`` from the first one kept in fp32
+    """The split restart: the restart's Gram matrix as ``Q R0 Q^T`` from the first one kept in fp32
     (``[hi | lo]``). In fp64 it is the Gram form to rounding; in bf16 it is as close to the polar
-    factor as the restart from X, and Muon with it (with and without the norm folded) steps within
-    the Gram form's bound of torch.optim.Muon. With the low half dropped (``R0`` in bf16) it lands
-    far from the polar factor: the precision is what makes it work."""
+    factor as the restart from X, and Muon with it steps within the Gram form's bound of
+    torch.optim.Muon. With the low half dropped (``R0`` in bf16) it lands far from the polar factor:
+    the precision is what makes it work. The Gram form takes it where it is cheaper."""
     from muonrun.optim.newton_schulz import gram_iterations, uses_split_restart
 
     assert uses_split_restart((896, 4864), 5) and uses_split_restart((4864, 896), 5)
@@ -575,7 +459,7 @@ def test_the_split_restart_is_the_gram_form_to_rounding_and_needs_its_low_half()
     assert not uses_split_restart((1536, 1536), 5)
     g = torch.Generator().manual_seed(6)
     for steps in (3, 5, 7):
-        per_step, _ = resolve_ns_coefficients(DEFAULT_NS_COEFFICIENTS, steps)
+        per_step = per_step_coefficients(DEFAULT_NS_COEFFICIENTS, steps)
         for shape in [(3, 6, 24), (2, 30, 5)]:
             X = torch.randn(*shape, generator=g, dtype=torch.float64)
             X = X / X.norm(dim=(-2, -1), keepdim=True)
@@ -592,7 +476,7 @@ def test_the_split_restart_is_the_gram_form_to_rounding_and_needs_its_low_half()
     V, _ = torch.linalg.qr(torch.randn(n, m, generator=g))
     G = (U * torch.arange(1, m + 1) ** -1.0) @ V.T
     u, _, vh = torch.linalg.svd(G, full_matrices=False)
-    per_step, _ = resolve_ns_coefficients(DEFAULT_NS_COEFFICIENTS, 5)
+    per_step = per_step_coefficients(DEFAULT_NS_COEFFICIENTS, 5)
     X = (G / torch.linalg.vector_norm(G)).bfloat16()[None]
 
     def distance(**kw) -> float:
@@ -601,9 +485,13 @@ def test_the_split_restart_is_the_gram_form_to_rounding_and_needs_its_low_half()
 
     from_x, split = distance(), distance(split_restart=True)
     assert abs(split / from_x - 1) < 0.03, (split, from_x)  # one ulp of input noise moves it 2-7%
-    assert distance(split_restart=True, products=[HighHalfOnly()] * 5) > 2 * from_x
+    assert distance(split_restart=True, products=HighHalfOnly()) > 2 * from_x
     init = [p.requires_grad_() for p in make_params(23, [(32, 128), (128, 32)])]
     shapes = [tuple(p.shape) for p in init]
+
+    class FromX(NewtonSchulz):  # the Gram form restarting from X everywhere
+        def iterate(self, X, fold_eps=None, out=None):
+            return gram_iterations(X, self.coefficients, fold_eps=fold_eps, out=out)
 
     def stepped(make) -> list[torch.Tensor]:
         params = [p.detach().clone().requires_grad_() for p in init]
@@ -618,86 +506,37 @@ def test_the_split_restart_is_the_gram_form_to_rounding_and_needs_its_low_half()
         return [((p - q).abs().max() / (q - q0).abs().max()).item() for p, q, q0 in pairs]
 
     torchs = stepped(lambda ps: torch.optim.Muon(ps, lr=LR))
-    for fold_norm in (False, True):
-        gram = stepped(lambda ps, fold=fold_norm: Muon(ps, lr=LR, gram=True, fold_norm=fold))
-        split = stepped(
-            lambda ps, fold=fold_norm: Muon(ps, lr=LR, gram=True, fold_norm=fold, split_restart=True)
-        )
-        assert not any(torch.equal(a, b) for a, b in zip(split, gram, strict=True))  # it ran
-        # the Gram form is 2-4% of a step from torch's on these small matrices; the split restart too
-        for ours, gram_form in zip(off(split, torchs), off(gram, torchs), strict=True):
-            assert 0 < ours < 1.25 * gram_form + 0.005, (fold_norm, ours, gram_form)
-
-
-@pytest.mark.parametrize("blocks", [2, 3])
-def test_blocked_symmetric_products_are_torchs_with_the_lower_blocks_mirrored(blocks):
-    """benchmarks/ns_blocked.py: in fp64 every product and both forms of Newton–Schulz equal torch's
-    evaluation to rounding, the blocks below the diagonal mirroring those above; in bf16 the Gram form
-    stays as close to the polar factor."""
-    script = _script("ns_blocked")
-    blocked = script.BlockedProducts(blocks)
-    g = torch.Generator().manual_seed(3)
-    per_step, _ = resolve_ns_coefficients(DEFAULT_NS_COEFFICIENTS, 5)
-    for shape in [(2, 45, 160), (2, 160, 45), (2, 37, 37)]:
-        X = torch.randn(shape, generator=g, dtype=torch.float64)
-        X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-        tall = shape[1] > shape[2]
-        A, A_blocked = TORCH_PRODUCTS.gram(X, tall), blocked.gram(X, tall)
-        P, P_blocked = TORCH_PRODUCTS.poly(A, -4.775, 2.0315), blocked.poly(A, -4.775, 2.0315)
-        for ours, torchs in ((A_blocked, A), (P_blocked, P), (blocked.sym_mm(P, A), torch.bmm(P, A))):
-            assert ours.is_contiguous()
-            torch.testing.assert_close(ours, torchs, rtol=0, atol=1e-13)
-            h = script.block_bounds(min(shape[1:]), blocks)[0][1]  # the first block's mirror is exact
-            assert torch.equal(ours[:, h:, :h], ours[:, :h, h:].mT)
-        for gram in (False, True):
-            torch.testing.assert_close(
-                ns_iterations(X, per_step, gram=gram, products=[blocked] * 5),
-                ns_iterations(X, per_step, gram=gram),
-                rtol=0,
-                atol=1e-12,
-            )
-    m, n = 96, 560
-    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g))
-    V, _ = torch.linalg.qr(torch.randn(n, m, generator=g))
-    G = (U * torch.arange(1, m + 1) ** -1.0) @ V.T
-    u, _, vh = torch.linalg.svd(G, full_matrices=False)
-    X = (G / torch.linalg.vector_norm(G)).bfloat16()[None]
-    ours, torchs = (
-        (ns_iterations(X, per_step, gram=True, products=p)[0].float() - u @ vh).norm() / (u @ vh).norm()
-        for p in ([blocked] * 5, None)
-    )
-    assert ours < 1.05 * torchs, (ours, torchs)
+    from_x = stepped(lambda ps: Muon(ps, lr=LR, newton_schulz=FromX(gram=True), ns_dtype=torch.bfloat16))
+    split = stepped(lambda ps: Muon(ps, lr=LR, gram=True, ns_dtype=torch.bfloat16))
+    assert not any(torch.equal(a, b) for a, b in zip(split, from_x, strict=True))  # it ran
+    # the Gram form is 2-4% of a step from torch's on these small matrices; the split restart too
+    for ours, gram_form in zip(off(split, torchs), off(from_x, torchs), strict=True):
+        assert 0 < ours < 1.25 * gram_form + 0.005, (ours, gram_form)
 
 
 @pytest.mark.parametrize("variant", ["muon", "normuon"])
 @pytest.mark.parametrize("gram", [False, True])
-def test_fused_muon_on_the_cpu_runs_the_same_ops_and_says_so_once(gram, variant, capsys, monkeypatch):
-    """``fused=True`` on the CPU runs its passes as the eager foreach ops they fuse: the same results
-    as without it, bit for bit (and so torch.optim.Muon's, within bf16 rounding, without the Gram
-    form), and it says once per process that nothing is compiled here."""
-    from muonrun import log
-
-    monkeypatch.setattr(log, "_said", set())
+def test_eager_changes_nothing_on_a_cpu(gram, variant, capsys):
+    """On a CPU the passes run as eager foreach ops and no graph is made, so ``eager=True`` steps bit for
+    bit as the default (and so torch.optim.Muon's, within bf16 rounding, without the Gram form), and
+    nothing is said about compiling."""
     init = make_params(16)
-    runs = {name: [p.clone() for p in init] for name in ("fused", "plain", "torch")}
+    runs = {name: [p.clone() for p in init] for name in ("eager", "default", "torch")}
     kw = dict(lr=LR, weight_decay=0.1, nesterov=True)
     opts = {
-        "fused": Muon(runs["fused"], **kw, fused=True, gram=gram, variant=variant),
-        "plain": Muon(runs["plain"], **kw, gram=gram, variant=variant),
+        "eager": Muon(runs["eager"], **kw, eager=True, gram=gram, variant=variant, ns_dtype=torch.bfloat16),
+        "default": Muon(runs["default"], **kw, gram=gram, variant=variant, ns_dtype=torch.bfloat16),
         "torch": TorchMuon(runs["torch"], **kw),
     }
     for step in range(10):
         set_grads(list(runs.values()), step)
         for opt in opts.values():
             opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(runs["fused"], runs["plain"], strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(runs["eager"], runs["default"], strict=True))
     if not gram and variant == "muon":
-        assert_matches(runs["fused"], runs["torch"], init)
-    assert not opts["fused"]._passes.compiled
-    other = [p.clone() for p in init]
-    set_grads([other], 0)
-    Muon(other, fused=True).step()  # a second fused optimizer in the process
-    assert capsys.readouterr().out.count("compiled on GPUs only") == 1
+        assert_matches(runs["default"], runs["torch"], init)
+    assert not opts["default"]._passes.compiled and opts["default"]._graph is None
+    assert "compile" not in capsys.readouterr().out
 
 
 def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
@@ -713,7 +552,7 @@ def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
             return gm.forward
 
         eager, traced = [p.clone() for p in init], [p.clone() for p in init]
-        kw = dict(lr=LR, weight_decay=0.1, fused=True, variant=variant)
+        kw = dict(lr=LR, weight_decay=0.1, variant=variant)
         opts = [Muon(eager, **kw), Muon(traced, **kw, bucket_numel=700)]
         opts[1].compile_backend = backend
         graphs = []
@@ -724,7 +563,7 @@ def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
                     group["lr"] = LR * (step + 1) / 4
                 opt.step()
             graphs.append(len(compiled))
-        buckets = opts[1]._plan[0].buckets
+        buckets = opts[1].plan[0].buckets
         assert opts[1]._passes.compiled and len(buckets) > 1
         # the owner's normalisation compiles once per stack layout, shared by buckets: NorMuon's
         # too, whose rows' state sits between its matrices (its row factors ride in the update pass)
@@ -741,41 +580,51 @@ def test_fused_passes_trace_to_one_graph_per_bucket_and_match_the_eager_ops():
 
 @pytest.mark.parametrize("variant", ["muon", "normuon"])
 def test_a_norm_folded_into_the_gram_form_steps_as_the_pass_that_divides_by_it(variant):
-    """``fold_norm``: a Gram-form stack held in place (one rank; stacked experts) takes its Frobenius
-    norm from the trace of its first Gram product and never goes through the dividing pass; the
+    """A Gram-form stack held in place (one rank; stacked experts) takes its Frobenius norm from the trace
+    of its first Gram product (two m x m products scaled) and never goes through the dividing pass; the
     standard form's stacks still do. Dense matrices (wide, tall, square) and a stack of experts step
-    within bf16 rounding of the pass, eager and traced (the scale is one compiled pass per layout)."""
+    within bf16 rounding of an iteration that divides first (``folds_norm`` off), eager and traced."""
     shapes = [(16, 48), (40, 8), (24, 24), (16, 48)]
     init = make_params(21, shapes) + [torch.randn(3, 32, 48, generator=torch.Generator().manual_seed(22))]
+
+    class DividesFirst(NewtonSchulz):
+        def folds_norm(self, shape):
+            return False
+
+    class Counted(Products):  # torch's, counting where a folded scale is applied
+        def scale(self, T, f):
+            seen.append(("scale", tuple(T.shape)))
+            return super().scale(T, f)
+
     runs, calls = {}, {}
     for name in ("pass", "folded", "traced"):
         ps = [p.clone() for p in init]
+        seen = calls[name] = []
+        ns = (DividesFirst if name == "pass" else NewtonSchulz)(gram=True, products=Counted())
         opt = Muon(
             [{"params": ps[:-1]}, {"params": ps[-1:], "matrices_per_expert": 2}],
             lr=LR,
             weight_decay=0.1,
-            gram=True,
             variant=variant,
-            fold_norm=name != "pass",
-            fused=name == "traced",
+            newton_schulz=ns,
+            ns_dtype=torch.bfloat16,
         )
         if name == "traced":
             opt.compile_backend = lambda gm, example_inputs: gm.forward
-        seen = calls[name] = []
         for step in range(5):
             g = torch.Generator().manual_seed(300 + step)
             for p in ps:
                 p.grad = torch.randn(p.shape, generator=g)
             opt.step()
             if step == 0:  # the first step chose the passes: count what the others call
-                for pass_name in ("normalize", "scale"):
-                    original = getattr(opt._passes, pass_name)
+                original = opt._passes.normalize
 
-                    def counted(*args, pass_name=pass_name, original=original, seen=seen):
-                        seen.append((pass_name, tuple(args[0].shape)))
-                        return original(*args)
+                def counted(*args, original=original, seen=seen):
+                    seen.append(("normalize", tuple(args[0].shape)))
+                    return original(*args)
 
-                    setattr(opt._passes, pass_name, counted)
+                opt._passes.normalize = counted
+                del seen[:]
         runs[name] = ps
     # per step: the dividing pass over each stack (two wide matrices, tall, square, six expert matrices)
     assert [(name, shape[0]) for name, shape in calls["pass"]] == 4 * [("normalize", k) for k in (2, 1, 1, 6)]
@@ -791,79 +640,33 @@ def test_a_norm_folded_into_the_gram_form_steps_as_the_pass_that_divides_by_it(v
     assert_matches(runs["traced"], runs["folded"], init, rtol=1e-5)
 
 
-@pytest.mark.parametrize("precondition", ["frobenius", "aol"])
-def test_scaling_folded_into_the_first_product_is_the_scaled_iteration(precondition):
-    """In float64, Newton–Schulz with the input's scale read off its first Gram product (Frobenius:
-    the trace; AOL: the rows' absolute sums) equals dividing first, then iterating: standard and Gram
-    forms, wide and tall, 0 to 5 iterations, and written into its own input's memory (``out``)."""
-    from muonrun.optim.newton_schulz import Scaling, ns_iterations
-
+def test_a_norm_folded_into_the_first_product_is_the_normalised_iteration():
+    """In float64, Newton–Schulz with the input's norm read off the trace of its first Gram product
+    equals dividing first, then iterating: standard and Gram forms, wide and tall, 0 to 5 iterations, and
+    written into its own input's memory (``out``)."""
     g = torch.Generator().manual_seed(18)
     for shape in [(3, 6, 16), (2, 20, 4), (1, 9, 9)]:
         X = torch.randn(*shape, generator=g, dtype=torch.float64)
-        tall = shape[1] > shape[2]
-        A = X.mT @ X if tall else X @ X.mT
-        if precondition == "aol":
-            d = A.abs().sum(-1).rsqrt()
-            scaled = X * d.unsqueeze(-2) if tall else X * d.unsqueeze(-1)
-        else:
-            scaled = X / X.norm(dim=(-2, -1), keepdim=True)
+        normalized = X / X.norm(dim=(-2, -1), keepdim=True)
         for steps in (0, 1, 2, 3, 5):
-            per_step, _ = resolve_ns_coefficients(
-                "turbo" if precondition == "aol" else "polar_express", steps
-            )
+            per_step = per_step_coefficients(PER_ITERATION, steps)
             for gram in (False, True):
-                expected = ns_iterations(scaled, per_step, gram=gram)
-                got = ns_iterations(X, per_step, gram=gram, scaling=Scaling(precondition))
-                # d is computed in fp32, the iteration in fp64
+                expected = ns_iterations(normalized, per_step, gram=gram)
+                got = ns_iterations(X, per_step, gram=gram, fold_eps=1e-7)
+                # the scale is computed in fp32, the iteration in fp64
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
                 buf = X.clone()
-                assert ns_iterations(buf, per_step, gram=gram, scaling=Scaling(precondition), out=buf) is buf
+                assert ns_iterations(buf, per_step, gram=gram, fold_eps=1e-7, out=buf) is buf
                 torch.testing.assert_close(buf, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_aol_with_the_turbo_table_stays_bounded_and_near_the_polar_factor():
-    """AOL bounds the singular values by 1 and a rank-one input reaches it; bf16 may pass it. The
-    `turbo` table keeps every input with singular values up to 1.1 bounded. On a gradient-like matrix
-    (singular values 1/i) with 128 rows it is closer to the polar factor at 4 iterations than the
-    default quintic at 5 (benchmarks/ns_levers_numerics.py has the preset shapes, where it is farther on
-    such steep spectra from 256 rows on)."""
-    from muonrun.optim.newton_schulz import TURBO_COEFFICIENTS
-
-    x = torch.linspace(0, 1.1, 1101, dtype=torch.float64)
-    for a, b, c in TURBO_COEFFICIENTS:
-        x = a * x + b * x**3 + c * x**5
-        assert x.min() >= 0 and x.max() < 2.0
-    assert x[10:].min() > 0.5 and x.max() < 1.3
-    g = torch.Generator().manual_seed(19)
-    rank_one = torch.randn(40, 1, generator=g) @ torch.randn(1, 90, generator=g)
-    for gram in (False, True):
-        out = newton_schulz(rank_one, 4, "turbo", precondition="aol", gram=gram).float()
-        assert 0.9 < torch.linalg.matrix_norm(out, ord=2) < 1.3
-    gradient_like = _script("gram_ns_numerics").gradient_like
-    G = gradient_like(128, 512, seed=0)
-    u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
-    polar = u @ vh
-    distance = {}
-    for name, kw in {
-        "default x5": {},
-        "aol turbo x4": dict(steps=4, coefficients="turbo", precondition="aol"),
-        "aol turbo gram x4": dict(steps=4, coefficients="turbo", precondition="aol", gram=True),
-    }.items():
-        out = newton_schulz(G, **kw).double()
-        distance[name] = ((out - polar).norm() / polar.norm()).item()
-    assert max(distance["aol turbo x4"], distance["aol turbo gram x4"]) < 0.8 * distance["default x5"], (
-        distance
-    )
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_zero_newton_schulz_steps_on_one_rank_step_with_the_normalised_momentum(fused):
+@pytest.mark.parametrize("gram", [False, True])
+def test_zero_newton_schulz_steps_on_one_rank_step_with_the_normalised_momentum(gram):
     """With ns_steps=0 the owner's result is its (normalised) input itself: on one rank the buffer it
     lives in is also where the result goes, which must not be copied onto itself."""
     init = make_params(20)
     ours = [p.clone() for p in init]
-    opt = Muon(ours, lr=LR, weight_decay=0.0, ns_steps=0, nesterov=False, fused=fused)
+    opt = Muon(ours, lr=LR, weight_decay=0.0, ns_steps=0, nesterov=False, gram=gram, ns_dtype=torch.bfloat16)
     set_grads([ours], 0)
     grads = [p.grad.clone() for p in ours]
     opt.step()
@@ -874,42 +677,35 @@ def test_zero_newton_schulz_steps_on_one_rank_step_with_the_normalised_momentum(
         torch.testing.assert_close(p0 - p, step, rtol=2**-7, atol=2**-9 * step.abs().max().item())
 
 
-def test_dry_run_names_the_newton_schulz_settings_it_counts():
-    from muonrun.config import MuonConfig
-    from muonrun.tools.plan import ns_settings
-
-    # the split restart is on by default and, like ns_fold_norm, applies only with the Gram form
-    assert MuonConfig().ns_split_restart and not MuonConfig().gram_ns
-    assert ns_settings(MuonConfig(), False) == (
-        "5 iterations, default coefficients, frobenius scaling, torch's products"
-    )
-    assert not Muon([torch.nn.Parameter(torch.zeros(4, 16))], split_restart=True).split_restart
-    aol = MuonConfig(ns_steps=4, ns_coefficients="turbo", ns_precondition="aol", gram_ns=True)
-    assert ns_settings(aol, True) == (
-        "4 iterations, turbo coefficients, aol scaling, Gram form where wide, split restart where 3x wide, "
-        "quack's symmetric products (one triangle of each symmetric result)"
-    )
-    from_x = MuonConfig(gram_ns=True, ns_split_restart=False)
-    assert ns_settings(from_x, False) == (
-        "5 iterations, default coefficients, frobenius scaling, Gram form where wide, torch's products"
-    )
-
-
-def test_newton_schulz_products_are_chosen_by_name_and_where_they_pay():
-    """`ns_products`: torch's on CPU whatever `auto` finds; `quack` needs quack-kernels; no other name."""
+def test_the_dry_run_counts_the_iteration_the_step_runs():
+    """One description: the builder's Muon runs ``build.muon_iteration``, the one the dry run counts and
+    names."""
     from muonrun.config import load_config
-    from muonrun.optim.build import build_optimizers, products_for
-    from muonrun.optim.ns_products import quack_installed, quack_pays
+    from muonrun.optim.build import build_optimizers, muon_iteration
 
-    assert not quack_pays("cpu")
-    assert products_for("auto", "cpu") is TORCH_PRODUCTS and products_for("torch", "cuda") is TORCH_PRODUCTS
-    with pytest.raises(ValueError, match="unknown ns_products 'cublas'"):
-        products_for("cublas", "cpu")
-    if not quack_installed():
-        with pytest.raises(ImportError):
-            products_for("quack", "cuda")
+    for preset, form in (("tiny", "standard form"), ("qwen2-muon-fsdp2", "Gram form where 1.5x wide")):
+        o = load_config(preset, ["optimizer.name=muon"]).optimizer
+        ns = muon_iteration(o, "cpu")
+        muon = build_optimizers(tiny_qwen2(tied=True), o, "cpu")[0]
+        assert muon.newton_schulz == ns and type(muon.newton_schulz.products) is type(ns.products)
+        assert ns.describe().startswith("5 iterations, torch.optim.Muon coefficients, " + form)
+        assert ns.describe().endswith("torch's products")
+        assert ns.flops((896, 4864)) == newton_schulz_flops((896, 4864), 5, o.muon.gram_ns)
+
+
+def test_newton_schulz_products_are_torchs_off_hopper():
+    """quack's products only on a Hopper GPU with quack-kernels installed; torch's on a CPU whatever is
+    installed, and for every Muon the CLI builds there."""
+    from muonrun.config import load_config
+    from muonrun.optim.build import build_optimizers
+    from muonrun.optim.ns_quack import default_products
+
+    assert default_products("cpu") is TORCH_PRODUCTS
     muon = build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cpu")[0]
-    assert muon.products is TORCH_PRODUCTS
+    assert (
+        muon.newton_schulz.products is TORCH_PRODUCTS
+        and Muon([torch.zeros(2, 3)]).newton_schulz.products is TORCH_PRODUCTS
+    )
 
 
 def test_normuon_row_scale_is_normuon_normalize():
@@ -926,38 +722,49 @@ def test_normuon_row_scale_is_normuon_normalize():
 
 def test_owners_balance_newton_schulz_flops_where_round_robin_cannot():
     from muonrun.optim.sharding import owner_flops
-    from muonrun.tools.plan import ns_flops_per_rank
 
     big, small = newton_schulz_flops((4, 4)), newton_schulz_flops((2, 2))  # 1920, 240 with 5 steps
     shapes = [(4, 4)] * 3 + [(2, 2)] * 3
-    per_rank = ns_flops_per_rank(shapes, 5, 2)
+    standard = NewtonSchulz().flops
+    per_rank = owner_flops(shapes, 2, standard)
     # round-robin per shape: big, small, big on rank 0; greedy: the third big one's rank gets no small one
     assert per_rank == {
         "round_robin": [2 * big + small, big + 2 * small],
         "balanced": [2 * big, big + 3 * small],
     }
-    assert owner_flops(shapes, 1) == {"round_robin": [3 * big + 3 * small]} | {
+    assert owner_flops(shapes, 1, standard) == {"round_robin": [3 * big + 3 * small]} | {
         "balanced": [3 * big + 3 * small]
     }
     # a matrix is never split: with more ranks than matrices some ranks idle
-    assert sorted(owner_flops(shapes, 8)["balanced"]) == [0, 0] + [small] * 3 + [big] * 3
-    assert owner_flops([(3, 5)], 1, gram=True)["balanced"][0] < newton_schulz_flops((3, 5))  # Gram form
+    assert sorted(owner_flops(shapes, 8, standard)["balanced"]) == [0, 0] + [small] * 3 + [big] * 3
+    assert owner_flops([(3, 5)], 1, NewtonSchulz(gram=True).flops)["balanced"][0] < newton_schulz_flops(
+        (3, 5)
+    )
     # the same owners however the matrices are bucketed, when the split does not matter
-    assert owner_flops(shapes, 2, bucket_numel=16)["balanced"] == per_rank["balanced"]
+    assert owner_flops(shapes, 2, standard, bucket_numel=16)["balanced"] == per_rank["balanced"]
     # Qwen2-1.5B's 196 matrices on 8 ranks: 84 MLP matrices do not divide by 8
     h, i, kv = 1536, 8960, 256
     qwen = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * 28
-    per_rank = owner_flops(qwen, 8)
+    per_rank = owner_flops(qwen, 8, standard)
     average = sum(per_rank["balanced"]) / 8
     assert max(per_rank["round_robin"]) > 1.04 * average and max(per_rank["balanced"]) < 1.001 * average
 
 
-def test_polar_express_option_steps():
+def test_a_study_passes_its_own_coefficients_and_per_group_ones_are_refused():
+    """Coefficients per iteration reach the step (the same as torch's: ``ns_coefficients``); torch's
+    per-group Newton–Schulz settings, which one iteration for the whole optimizer would silently ignore,
+    are refused, also when set on a group between steps."""
     params = make_params(5)
-    opt = Muon(params, lr=LR, ns_coefficients="polar_express")
+    opt = Muon(params, lr=LR, ns_coefficients=PER_ITERATION, ns_steps=5)
+    assert opt.newton_schulz.coefficients == PER_ITERATION
     set_grads([params], 0)
     opt.step()
     assert all(torch.isfinite(p).all() for p in params)
+    with pytest.raises(ValueError, match="ns_steps"):
+        Muon([{"params": make_params(5), "ns_steps": 3}])
+    opt.param_groups[0]["ns_coefficients"] = PER_ITERATION
+    with pytest.raises(ValueError, match="ns_coefficients"):
+        opt.step()
 
 
 def test_param_groups_lr_changes_and_none_grads():
@@ -989,19 +796,6 @@ def test_param_groups_lr_changes_and_none_grads():
     untouched = Muon([init[0].clone()])
     untouched.step()  # no gradients at all: a no-op
     assert len(untouched.state) == 0
-
-
-def test_changing_ns_settings_between_steps_takes_effect():
-    params = make_params(8)
-    opt = Muon(params, lr=LR)
-    set_grads([params], 0)
-    opt.step()
-    opt.param_groups[0]["ns_steps"] = 3
-    opt.param_groups[0]["ns_coefficients"] = "polar_express"
-    set_grads([params], 1)
-    opt.step()
-    (part,) = opt._plan
-    assert part.ns.per_step == POLAR_EXPRESS_COEFFICIENTS[:3]
 
 
 @pytest.mark.parametrize("variant", ["muon", "normuon"])
@@ -1054,8 +848,8 @@ def test_normuon_matches_the_paper(adjust_lr_fn, nesterov, weight_decay, ns_dtyp
         torch.testing.assert_close(v, ref_opt.state[q]["second_moment"], rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_normuon_leaves_a_matrix_with_zero_momentum_where_muon_does(fused):
+@pytest.mark.parametrize("gram", [False, True])
+def test_normuon_leaves_a_matrix_with_zero_momentum_where_muon_does(gram):
     """A matrix whose gradient and momentum are exactly zero (LoRA's A while its B is still zero, an
     expert that got no tokens) has zero rows after Newton–Schulz: NorMuon's update of it is zero, as
     torch.optim.Muon's is, and only weight decay moves it; its row factors must not overflow to inf
@@ -1065,7 +859,7 @@ def test_normuon_leaves_a_matrix_with_zero_momentum_where_muon_does(fused):
     shapes = [(16, 64), (64, 16)]
     init = make_params(5, shapes)
     ours, ref = [p.clone() for p in init], [p.clone() for p in init]
-    opt = Muon(ours, lr=LR, weight_decay=0.1, variant="normuon", fused=fused)
+    opt = Muon(ours, lr=LR, weight_decay=0.1, variant="normuon", gram=gram)
     ref_opt = torch_muon.Muon(ref, lr=LR, weight_decay=0.1)
     for step in range(3):
         for params in (ours, ref):
@@ -1151,29 +945,49 @@ def test_telemetry_keys_and_values_on_one_device():
     torch.testing.assert_close(tel["momentum_norm"], exp_avg.norm())
 
 
-def test_normuon_settings_reach_the_optimizer_from_the_config():
+def test_the_config_builds_the_muon_the_class_defaults_build():
+    """`muonrun pretrain`'s Muon is `Muon(...)` with the config's values and the class's own defaults
+    for the rest: the default config's optimizer steps bit for bit as a Muon built by hand with those
+    values, the preset's (Gram form, NorMuon, eager) too; and the settings reach it."""
     from muonrun.config import load_config
     from muonrun.optim.build import build_optimizers
 
-    overrides = [
-        "optimizer.muon.variant=normuon",
-        "optimizer.muon.beta2=0.9",
-        "optimizer.muon.ns_dtype=float32",
-        "optimizer.muon.ns_precondition=aol",
-        "optimizer.muon.ns_coefficients=turbo",
-        "optimizer.muon.fused=true",
-    ]
-    muon = build_optimizers(
-        tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", overrides).optimizer, "cpu"
+    for overrides in (
+        [],
+        ["optimizer.muon.gram_ns=true", "optimizer.muon.variant=normuon", "optimizer.muon.beta2=0.9"],
+    ):
+        o = load_config("tiny", ["optimizer.name=muon", *overrides]).optimizer
+        model = tiny_qwen2(tied=True)
+        built = build_optimizers(model, o, "cpu")[0]
+        params = [p.detach().clone() for p in built.param_groups[0]["params"]]
+        m = o.muon
+        by_hand = Muon(
+            params,
+            lr=m.lr,
+            weight_decay=o.weight_decay,
+            momentum=m.momentum,
+            nesterov=m.nesterov,
+            gram=m.gram_ns,
+            variant=m.variant,
+            beta2=m.beta2,
+        )
+        assert built.newton_schulz == by_hand.newton_schulz and built.ns_dtype == by_hand.ns_dtype
+        assert built.eager is by_hand.eager is False and built.defaults["beta2"] == m.beta2
+        ours = built.param_groups[0]["params"]
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            for p, q in zip(ours, params, strict=True):
+                p.grad = torch.randn(p.shape, generator=g)
+                q.grad = p.grad.clone()
+            built.step()
+            by_hand.step()
+        assert all(torch.equal(p, q) for p, q in zip(ours, params, strict=True))
+    eager = build_optimizers(
+        tiny_qwen2(tied=True),
+        load_config("tiny", ["optimizer.name=muon", "optimizer.muon.eager=true"]).optimizer,
+        "cuda",
     )[0]
-    assert muon.defaults["variant"] == "normuon" and muon.defaults["beta2"] == 0.9
-    assert muon.ns_dtype == torch.float32 and muon.fused
-    assert muon.defaults["precondition"] == "aol" and muon.defaults["ns_coefficients"] == "turbo"
-    muon = build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cuda")[0]
-    assert muon.ns_dtype == torch.bfloat16 and muon.defaults["variant"] == "muon"  # the defaults: auto, muon
-    assert muon.fused and muon.defaults["precondition"] == "frobenius"  # fused: on for GPUs
-    cpu = build_optimizers(tiny_qwen2(tied=True), load_config("qwen2-muon-fsdp2", []).optimizer, "cpu")
-    assert not cpu[0].fused  # off on CPU
+    assert eager.eager and eager.ns_dtype == torch.bfloat16 and not eager.newton_schulz.products.compiled
 
 
 @pytest.mark.gpu
@@ -1201,14 +1015,14 @@ def test_on_a_gpu_muon_keeps_torchs_bf16_newton_schulz():
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
-    """On a GPU ``fused`` compiles the elementwise passes, the owner's normalisation and NorMuon's row
-    scaling among them (inductor kernels, not the eager ones): 10 steps stay within rounding of the
-    eager passes, for Muon and NorMuon, and with the Gram form's folded norm (its scale compiled)."""
+    """On a GPU the elementwise passes compile (inductor kernels), the owner's normalisation and
+    NorMuon's row scaling among them, and the Gram form's folded norm (its scale compiled): 10 steps stay
+    within rounding of ``eager``'s, for Muon and NorMuon."""
     init = [p.cuda() for p in make_params(16)]
-    for variant, fold in itertools.product(("muon", "normuon"), (False, True)):
-        runs = {fused: [p.clone() for p in init] for fused in (True, False)}
-        kw = dict(lr=LR, weight_decay=0.1, variant=variant, gram=fold, fold_norm=fold)
-        opts = {f: Muon(ps, **kw, fused=f) for f, ps in runs.items()}
+    for variant, gram in itertools.product(("muon", "normuon"), (False, True)):
+        runs = {eager: [p.clone() for p in init] for eager in (False, True)}
+        kw = dict(lr=LR, weight_decay=0.1, variant=variant, gram=gram)
+        opts = {e: Muon(ps, **kw, eager=e) for e, ps in runs.items()}
         for step in range(10):
             grads = make_params(100 + step)
             for ps in runs.values():
@@ -1216,17 +1030,15 @@ def test_on_a_gpu_the_compiled_passes_step_as_the_eager_ops():
                     p.grad = g.cuda()
             for opt in opts.values():
                 opt.step()
-        keys = list(opts[True]._passes._fns)
-        assert opts[True]._passes.compiled and not opts[False]._passes.compiled
-        assert {key[0] for key in keys} == {"momentum", "update", "normalize"} | (
-            {"scale"} if fold else set()
-        ), keys
-        assert_matches(runs[True], runs[False], init)
+        keys = list(opts[False]._passes._fns)
+        assert opts[False]._passes.compiled and not opts[True]._passes.compiled
+        assert {key[0] for key in keys} == {"momentum", "update", "normalize"}, keys
+        assert_matches(runs[False], runs[True], init)
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_quacks_products_are_torchs_products():
-    """quack's GEMMs (``ns_products=quack``) against torch's bmm on a GPU, on both tile configurations
+    """quack's GEMMs (``ns_quack.QuackProducts``) against torch's bmm on a GPU, on both tile configurations
     Hopper uses (sides below and above 1024): each symmetric result within one bf16 rounding and
     exactly symmetric where both triangles are the same dot products, the standard form's
     ``a X + B X`` within one rounding (into a fresh tensor, an aligned strided one, and an unaligned
@@ -1267,7 +1079,7 @@ def test_on_a_gpu_quacks_products_are_torchs_products():
             assert calls.count("_gemm") == before + (i < 2), shape  # unaligned (the last): torch's
         per_step = [DEFAULT_NS_COEFFICIENTS] * 5
         for gram in (False, True):
-            ours = ns_iterations(X, per_step, gram=gram, products=[quack] * 5).float()
+            ours = ns_iterations(X, per_step, gram=gram, products=quack).float()
             ref = ns_iterations(X, per_step, gram=gram).float()
             assert (ours - ref).norm() / ref.norm() < 0.02, (shape, gram)
     symmetric = sum(name != "_gemm" for name in calls)
@@ -1282,9 +1094,8 @@ def test_on_a_gpu_quacks_products_are_torchs_products():
                 ps,
                 lr=LR,
                 weight_decay=0.1,
-                gram=True,
                 variant=variant,
-                products=quack if name == "quack" else None,
+                newton_schulz=NewtonSchulz(gram=True, products=quack if name == "quack" else TORCH_PRODUCTS),
             )
             for name, ps in runs.items()
         }

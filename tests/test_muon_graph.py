@@ -1,11 +1,9 @@
-"""Muon's step replayed from a CUDA graph (``cuda_graph=True``, ``muonrun.optim.graphed``): the same
+"""Muon's step replayed from a CUDA graph (on GPUs, ``muonrun.optim.graphed``): the same
 arithmetic as the plain step while the learning rate changes every step, for dense matrices and
 stacked experts, Muon and NorMuon; a new graph when the matrices or the state change. The CPU runs the
 graph's path without capturing (the same buffers and scalars, eagerly); the GPU test captures."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -25,14 +23,17 @@ def make_params(device: str = "cpu") -> list[torch.Tensor]:
     return [torch.randn(s, generator=g).to(device) for s in [*SHAPES, EXPERTS]]
 
 
-def make_muon(params: list[torch.Tensor], graphed: bool, **kw) -> Muon:
-    """Two dense groups with their own weight decay and lr scaling, and a group of stacked experts."""
+def make_muon(params: list[torch.Tensor], graphed: bool, streams: int = 3, **kw) -> Muon:
+    """Two dense groups with their own weight decay and lr scaling, and a group of stacked experts; the
+    Gram form (its split restart on the 16 x 48 matrices and the experts, its norm folded)."""
     groups = [
         {"params": params[:3]},
         {"params": params[3:5], "weight_decay": 0.0, "adjust_lr_fn": "match_rms_adamw"},
         {"params": params[5:], "matrices_per_expert": 2},
     ]
-    return Muon(groups, lr=LRS[0], weight_decay=0.1, gram=True, fold_norm=True, cuda_graph=graphed, **kw)
+    opt = Muon(groups, lr=LRS[0], weight_decay=0.1, gram=True, ns_dtype=torch.bfloat16, **kw)
+    opt.graphs, opt.graph_streams = graphed, streams
+    return opt
 
 
 def step_all(opts: list[Muon], params: list[list[torch.Tensor]], step: int, telemetry: bool = False) -> None:
@@ -54,8 +55,8 @@ def assert_same(ours, ref, init, rtol):
         assert (p - q).abs().max().item() <= rtol * moved, tuple(p.shape)
 
 
-@pytest.mark.parametrize("variant, split", [("muon", False), ("normuon", False), ("muon", True)])
-def test_the_graphs_path_on_the_cpu_steps_as_the_plain_step(variant, split):
+@pytest.mark.parametrize("variant", ["muon", "normuon"])
+def test_the_graphs_path_on_the_cpu_steps_as_the_plain_step(variant):
     """The graph's path (momentum into the graph's buffers, the rest reading the step's scalars from
     its tensor) against the plain step, with eager passes (within fp32 rounding: the update's scalars
     are a tensor there, host numbers in the plain step) and traced ones (the same kernels: equal).
@@ -64,17 +65,8 @@ def test_the_graphs_path_on_the_cpu_steps_as_the_plain_step(variant, split):
     init = make_params()
     for traced in (False, True):
         runs = {graphed: [p.clone() for p in init] for graphed in (False, True)}
-        opts = {  # the graphed one as GPU runs build it, on 3 streams: on a CPU it has none
-            graphed: make_muon(
-                ps,
-                graphed,
-                variant=variant,
-                fused=traced,
-                ns_streams=3 if graphed else 1,
-                split_restart=split,
-            )
-            for graphed, ps in runs.items()
-        }
+        # the graphed one as GPU runs build it, on 3 streams: on a CPU it has none
+        opts = {graphed: make_muon(ps, graphed, variant=variant) for graphed, ps in runs.items()}
         if traced:
             for opt in opts.values():
                 opt.compile_backend = lambda gm, example_inputs: gm.forward
@@ -123,35 +115,23 @@ def test_a_graph_is_made_anew_for_other_matrices_or_a_loaded_state():
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_a_replayed_step_is_the_eager_step():
+def test_on_a_gpu_a_replayed_step_is_the_plain_step():
     """On a GPU the graph is captured after its warm-up steps and replayed: every step equal to the
-    plain step's with the passes compiled (within fp32 rounding with eager ones), the lr changing every
-    step, a telemetry step eager in the middle, for Muon and NorMuon (quack's products where installed);
-    Muon's counters advance as if each step ran. Its stacks on three streams (``ns_streams``) give the
-    one-stream graph's steps bit for bit. The same with the split restart (``split_restart``: its
-    compiled splits inside the graph; the 16 x 48 matrices and the experts take it)."""
-    try:
-        from muonrun.optim.ns_quack import QuackProducts
+    plain step's (the passes compiled in both), the lr changing every step, a telemetry step eager in
+    the middle, for Muon and NorMuon (quack's products where installed), the split restart's compiled
+    splits inside the graph; Muon's counters advance as if each step ran. Its stacks on three streams
+    give the one-stream graph's steps bit for bit; ``eager`` makes no graph."""
+    from muonrun.optim import NewtonSchulz
+    from muonrun.optim.ns_quack import default_products
 
-        products = QuackProducts()
-    except ImportError:
-        products = None
+    ns = NewtonSchulz(gram=True, products=default_products("cuda"))
     init = make_params("cuda")
-    streams = {"plain": 1, "graphed": 1, "lanes": 3}
-    for variant, fused, split in itertools.product(("muon", "normuon"), (True, False), (False, True)):
-        runs = {kind: [p.clone() for p in init] for kind in streams}
-        opts = {
-            kind: make_muon(
-                ps,
-                kind != "plain",
-                variant=variant,
-                fused=fused,
-                products=products,
-                ns_streams=streams[kind],
-                split_restart=split,
-            )
-            for kind, ps in runs.items()
-        }
+    kinds = {"plain": (False, 1), "graphed": (True, 1), "lanes": (True, 3)}
+    for variant in ("muon", "normuon"):
+        runs = {kind: [p.clone() for p in init] for kind in kinds}
+        opts = {kind: make_muon(ps, *kinds[kind], variant=variant) for kind, ps in runs.items()}
+        for opt in opts.values():
+            opt.newton_schulz = ns
         captured_at = None
         for step in range(len(LRS)):
             step_all(list(opts.values()), list(runs.values()), step, telemetry=step == 6)
@@ -160,14 +140,16 @@ def test_on_a_gpu_a_replayed_step_is_the_eager_step():
         assert captured_at == StepGraph.warmup_steps, captured_at
         assert len(opts["lanes"]._graph.lanes.streams) == 3 and opts["lanes"]._graph.graph is not None
         assert opts["graphed"].stats == opts["plain"].stats == opts["lanes"].stats
-        assert opts["plain"].stats["orthogonalized"] > 0
+        assert opts["plain"].stats["orthogonalized"] > 0 and opts["plain"]._graph is None
         for p, q in zip(runs["lanes"], runs["graphed"], strict=True):
-            assert torch.equal(p, q), (variant, fused, split, tuple(p.shape))
-        if fused:  # compiled passes read the scalars from a device tensor either way: the same kernels
-            for p, q in zip(runs["graphed"], runs["plain"], strict=True):
-                assert torch.equal(p, q), (variant, tuple(p.shape))
-        else:  # eager: the plain step passes host numbers to its update, the graph a tensor
-            assert_same(runs["graphed"], runs["plain"], init, rtol=1e-5)
+            assert torch.equal(p, q), (variant, tuple(p.shape))
+        for p, q in zip(runs["graphed"], runs["plain"], strict=True):  # compiled passes read the same tensor
+            assert torch.equal(p, q), (variant, tuple(p.shape))
+    eager = Muon([p.clone() for p in init[:2]], eager=True)
+    for p in eager.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    eager.step()
+    assert eager._graph is None and not eager._passes.compiled
 
 
 def test_a_resume_through_dcps_state_dict_helpers_continues_as_the_plain_step():
@@ -191,9 +173,9 @@ def test_a_resume_through_dcps_state_dict_helpers_continues_as_the_plain_step():
             opt.zero_grad(set_to_none=True)
 
     def muon(m: nn.Module, graphed: bool) -> Muon:
-        return Muon(
-            m.parameters(), lr=LRS[0], gram=True, fold_norm=True, variant="normuon", cuda_graph=graphed
-        )
+        opt = Muon(m.parameters(), lr=LRS[0], gram=True, variant="normuon")
+        opt.graphs = graphed
+        return opt
 
     init = [p.detach().clone() for p in model().parameters()]
     plain = model()

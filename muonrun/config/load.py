@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from muonrun.config.optimizer import RETIRED_MUON_KEYS
 from muonrun.config.schema import Config
 from muonrun.errors import UserError
 
@@ -167,6 +168,24 @@ def _did_you_mean(cfg: DictConfig, full_key: str) -> str:
     return ""
 
 
+def _refuse_retired(key: str, source: str) -> None:
+    """A setting that has left the config: refused naming what took its place."""
+    section, _, name = key.rpartition(".")
+    if section == "optimizer.muon" and name in RETIRED_MUON_KEYS:
+        raise UserError(
+            f"Config key '{key}' in {source} is no longer a setting: {RETIRED_MUON_KEYS[name]}. Remove it."
+        )
+
+
+def _without_retired(saved: DictConfig) -> DictConfig:
+    """A saved config (a checkpoint's) without the settings that have left the config since it was saved."""
+    muon = OmegaConf.select(saved, "optimizer.muon")
+    if isinstance(muon, DictConfig):
+        for name in RETIRED_MUON_KEYS:
+            muon.pop(name, None)
+    return saved
+
+
 def _first_line(e: Exception) -> str:
     """An OmegaConf error's own sentence, without the lines of context it appends."""
     text = getattr(e, "msg", None) or str(e)
@@ -184,6 +203,7 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
         ) from None
     except ConfigKeyError as e:
         key = e.full_key or str(e.key)
+        _refuse_retired(key, source)
         raise UserError(f"Unknown config key '{key}' in {source}.{_did_you_mean(base, key)}") from None
     except ValidationError as e:
         allowed = choices().get(e.full_key)
@@ -231,6 +251,7 @@ def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConf
             )
     in_list = any(part.isdigit() for part in parts)  # a list's entries have fixed keys: '+' adds none
     if (not add or in_list) and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+        _refuse_retired(key, source)
         hint = _did_you_mean(cfg, key) or (
             " Prefix it with '+' to add a transformers config key (+model.hf.KEY=value)."
             if key.startswith("model.hf.")
@@ -310,7 +331,7 @@ def from_yaml(text: str, source: str = "from the launcher") -> Config:
         raise UserError(f"Config {source} is not valid YAML: {' '.join(str(e).split())[:300]}.") from None
     if not isinstance(saved, DictConfig):
         raise UserError(f"Config {source} must hold a mapping of keys, not a {type(saved).__name__}.")
-    return _typed(_merge(OmegaConf.structured(Config), saved, source))
+    return _typed(_merge(OmegaConf.structured(Config), _without_retired(saved), source))
 
 
 def to_yaml(cfg: Config) -> str:

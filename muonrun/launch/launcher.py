@@ -146,7 +146,6 @@ def launch(cfg: Config) -> int:
     from muonrun.distributed import check_device, pick_device_type
     from muonrun.features import enabled
     from muonrun.model.build import check_model
-    from muonrun.optim.build import check_optimizer
     from muonrun.optim.groups import split_params
 
     check_device(cfg)
@@ -158,7 +157,6 @@ def launch(cfg: Config) -> int:
     device_type = pick_device_type(cfg)
     for feature in features:
         feature.check(device_type)
-    check_optimizer(cfg.optimizer, device_type)
     tokenizer = check_data(cfg)
     model = check_model(
         cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features, cfg.train.router_z_loss_coef

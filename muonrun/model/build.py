@@ -28,7 +28,7 @@ from muonrun.model.moe import (
     load_balancing_loss,
     router_z_loss,
 )
-from muonrun.optim.experts import is_experts_module
+from muonrun.optim.groups import is_experts_module
 
 if TYPE_CHECKING:
     from muonrun.features import Feature

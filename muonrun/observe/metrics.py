@@ -183,7 +183,8 @@ class Metrics:
         o = c.optimizer
         opt = f"{o.name}: lr {o.lr:g}, weight decay {o.weight_decay:g}"
         if o.name == "muon":
-            opt = f"muon: lr {o.muon.lr:g}, momentum {o.muon.momentum:g}, ns {o.muon.ns_steps}; AdamW lr {o.lr:g}"
+            form = "Gram" if o.muon.gram_ns else "standard"
+            opt = f"muon: lr {o.muon.lr:g}, momentum {o.muon.momentum:g}, {form} Newton–Schulz; AdamW lr {o.lr:g}"
         rows.append(("optimizer", opt))
         s = c.schedule
         rows.append(("schedule", f"{s.name}, warmup {s.warmup_steps}, min lr ratio {s.min_lr_ratio:g}"))

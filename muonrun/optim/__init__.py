@@ -8,7 +8,8 @@
   by module and name; a mixture of experts' stacked expert weights in ``split.experts``, for a Muon
   group with ``matrices_per_expert``: ``muonrun.optim.experts``) and which go to AdamW (embeddings,
   LM head, routers, norms, biases).
-- ``newton_schulz`` and friends (``muonrun.optim.newton_schulz``): the orthogonalisation itself.
+- ``NewtonSchulz``, ``newton_schulz`` and friends (``muonrun.optim.newton_schulz``): the
+  orthogonalisation itself; a ``NewtonSchulz`` passed as ``Muon(..., newton_schulz=...)`` replaces Muon's.
 
 The CLI builds these from the config through ``muonrun.optim.build``; this package does not read
 the config. On an FSDP2 model, under ``torchrun``::
@@ -52,22 +53,20 @@ from muonrun.optim.groups import ParamSplit, split_params
 from muonrun.optim.muon import Muon
 from muonrun.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
-    POLAR_EXPRESS_COEFFICIENTS,
+    NewtonSchulz,
     adjust_lr,
     newton_schulz,
     newton_schulz_flops,
-    resolve_ns_coefficients,
 )
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
-    "POLAR_EXPRESS_COEFFICIENTS",
     "AdamW",
     "Muon",
+    "NewtonSchulz",
     "ParamSplit",
     "adjust_lr",
     "newton_schulz",
     "newton_schulz_flops",
-    "resolve_ns_coefficients",
     "split_params",
 ]

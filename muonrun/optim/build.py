@@ -7,19 +7,17 @@ only optim module that reads the config; `muonrun.optim` itself does not import 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from muonrun.config import OptimizerConfig
-from muonrun.errors import UserError
 from muonrun.optim.adamw import AdamW
 from muonrun.optim.groups import split_params
 from muonrun.optim.muon import Muon
-from muonrun.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, ns_dtype_for
-from muonrun.optim.ns_products import TORCH_PRODUCTS, Products, quack_chosen, quack_installed
+from muonrun.optim.newton_schulz import NewtonSchulz
+from muonrun.optim.ns_quack import default_products
 
 
 def _adamw(params: list[dict], o: OptimizerConfig, device_type: str) -> AdamW:
@@ -43,30 +41,6 @@ def build_adamw(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[
     return [_adamw(_adamw_groups(decay, split.adamw_no_decay, o), o, device_type)]
 
 
-def products_for(name: str, device_type: str) -> Products:
-    """The evaluation named by ``optimizer.muon.ns_products``: ``"torch"``; ``"quack"``
-    (``ns_quack.QuackProducts``; raises ImportError without quack-kernels); ``"auto"``: quack where
-    ``quack_pays``, else torch's (``quack_chosen``; an installed quack that fails to import is warned
-    about, not fatal)."""
-    if name not in ("auto", "torch", "quack"):
-        raise ValueError(f"unknown ns_products {name!r}; expected auto, torch or quack")
-    if not quack_chosen(name, device_type):
-        return TORCH_PRODUCTS
-    from muonrun.optim.ns_quack import QuackProducts
-
-    try:
-        return QuackProducts()
-    except Exception as e:
-        if name == "quack":
-            raise
-        warnings.warn(  # a broken optional install must not stop a run that did not ask for it
-            f"optimizer.muon.ns_products=auto: quack is installed but does not import ({type(e).__name__}: {e}); "
-            "Newton-Schulz uses torch's products. Set optimizer.muon.ns_products=torch to silence this.",
-            stacklevel=2,
-        )
-        return TORCH_PRODUCTS
-
-
 def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
     """Muon for the hidden matrices; AdamW, with optimizer.lr/betas/eps/weight_decay, for the rest."""
     m = o.muon
@@ -82,48 +56,27 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
         weight_decay=weight_decay,
         momentum=m.momentum,
         nesterov=m.nesterov,
-        ns_coefficients=m.ns_coefficients if m.ns_coefficients != "default" else DEFAULT_NS_COEFFICIENTS,
-        eps=m.eps,
-        ns_steps=m.ns_steps,
         adjust_lr_fn=m.adjust_lr_fn,
-        gram=m.gram_ns,
         variant=m.variant,
         beta2=m.beta2,
-        ns_dtype=ns_dtype_for(m.ns_dtype, device_type),
-        precondition=m.ns_precondition,
-        fused=m.fused if m.fused is not None else device_type == "cuda",
-        products=products_for(m.ns_products, device_type),
-        fold_norm=m.ns_fold_norm,
-        split_restart=m.ns_split_restart,
-        cuda_graph=m.cuda_graph if m.cuda_graph is not None else device_type == "cuda",
-        ns_streams=m.ns_streams,
+        newton_schulz=muon_iteration(o, device_type),
+        eager=m.eager,
     )
     adamw_groups = _adamw_groups(split.adamw_decay, split.adamw_no_decay, o)
     # LoRA: when only the adapters train, all that trains is Muon's (their A and B) and no AdamW is needed.
     return [muon, _adamw(adamw_groups, o, device_type)] if adamw_groups else [muon]
 
 
-def check_optimizer(o: OptimizerConfig, device_type: str) -> None:
-    """What the optimizer settings need from this machine, checked before any worker starts."""
-    if o.name != "muon" or o.muon.ns_products != "quack":
-        return
-    if device_type != "cuda":
-        raise UserError(
-            "Config key 'optimizer.muon.ns_products' is 'quack', but this run has no GPU: quack's symmetric "
-            "GEMM needs an NVIDIA GPU. Set optimizer.muon.ns_products=auto (torch's products on CPU)."
-        )
-    if not quack_installed():
-        raise UserError(
-            "Config key 'optimizer.muon.ns_products' is 'quack', but quack-kernels is not installed: "
-            "pip install 'muonrun[quack]', or set optimizer.muon.ns_products=auto (quack where installed, "
-            "else torch's products)."
-        )
-
-
 OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, str], list[torch.optim.Optimizer]]] = {
     "adamw": build_adamw,
     "muon": build_muon,
 }
+
+
+def muon_iteration(o: OptimizerConfig, device_type: str) -> NewtonSchulz:
+    """The Newton–Schulz iteration ``build_muon``'s Muon runs on ``device_type``: what the dry run
+    counts (``tools.plan``), from the same description."""
+    return NewtonSchulz(gram=o.muon.gram_ns, products=default_products(device_type))
 
 
 def build_optimizers(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:

@@ -1,5 +1,5 @@
 """Muon's elementwise passes (momentum into the exchange buffer; decay and update, with NorMuon's row
-factors; the owner's Frobenius normalisation), fused by torch.compile.
+factors; the owner's Frobenius normalisation), fused by torch.compile on GPUs.
 
 Muon's step reads and writes every matrix several times outside Newton–Schulz: the momentum
 update, the Nesterov look-ahead, its cast into the bf16 exchange buffer, the weight decay and the
@@ -8,29 +8,24 @@ group is one pass (read the gradient and the buffer, write the buffer and the bf
 bytes; read the parameter and the update, write the parameter: 10). torch.compile's inductor fuses
 the foreach ops of a list into combined kernels, so the same Python runs eagerly or compiled.
 NorMuon's per-row factors ride in the decay-and-update pass (4 bytes per row), not in a pass of
-their own over the Newton–Schulz result (4 bytes per element). Where Muon folds the Frobenius norm
-into the Gram form (``fold_norm``), the scale goes onto two ``m x m`` products (``Passes.scale``)
-instead of the ``m x n`` matrix.
+their own over the Newton–Schulz result (4 bytes per element).
 
-The owner's pass over the stacks it orthogonalises, dividing each matrix by its norm, broadcasts one
-number per matrix over bf16 data: eager PyTorch runs that on its generic strided kernel, at about a
-third of the memory bandwidth a compiled kernel reaches (the 1.5B step on one GPU:
-docs/performance.md). It takes the stack as the leading ``rows * cols`` elements of each row of a
+The owner's pass dividing each matrix by its norm broadcasts one number per matrix over bf16 data:
+eager PyTorch runs that on its generic strided kernel, at about a third of the memory bandwidth a
+compiled kernel reaches. It takes the stack as the leading ``rows * cols`` elements of each row of a
 contiguous ``[k, slab]`` tensor (``leading``), because NorMuon keeps its rows' state between the
 matrices: inductor writes a mutated *strided* input through a full-size temporary and a copy, but
 the slice of a contiguous one in place.
 
 ``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
 bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
-learning-rate-dependent scalars travel as one device tensor (``settings.UpdateScalars``), so a
+learning-rate-dependent scalars travel as one device tensor (``step.UpdateScalars``), so a
 schedule that changes them every step compiles nothing new. Where compiling is not possible (a CPU,
-or a compile that fails) it runs the same ops eagerly and says so once. Only ``muonrun.optim.muon``
-uses this module.
+Muon's ``eager``, or a compile that fails) it runs the same ops eagerly and says so once.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -38,7 +33,7 @@ from torch import Tensor
 
 from muonrun import compat, log
 from muonrun.compat import compile_error
-from muonrun.optim.ns_scaling import multiply_
+from muonrun.optim.ns_products import fresh_code
 
 
 def momentum_into(
@@ -84,18 +79,10 @@ def with_row_factors(updates: Sequence[Tensor], row_factors: Sequence[Tensor]) -
     return [u.float() * f.unsqueeze(-1) for u, f in zip(updates, row_factors, strict=True)]
 
 
-def frobenius_divisors(X: Tensor, dim: tuple[int, ...], norm_scale: float, eps: float) -> Tensor:
-    """``max(norm_scale * ||.||_F, eps)`` over ``dim`` of ``X``: what torch.optim.Muon divides each
-    matrix by (zero padding rows change no norm)."""
-    norm = torch.linalg.vector_norm(X, dim=dim)
-    if norm_scale != 1.0:
-        norm = norm * norm_scale
-    return norm.clamp_(min=eps)
-
-
-def frobenius_normalize_(X: Tensor, norm_scale: float, eps: float) -> None:
-    """``X /= frobenius_divisors`` for each matrix of a stack ``[k, m, n]``, in place."""
-    X.div_(frobenius_divisors(X, (-2, -1), norm_scale, eps).view(-1, 1, 1))
+def frobenius_divisors(X: Tensor, dim: tuple[int, ...], eps: float) -> Tensor:
+    """``max(||.||_F, eps)`` over ``dim`` of ``X``: what torch.optim.Muon divides each matrix by (zero
+    padding rows change no norm)."""
+    return torch.linalg.vector_norm(X, dim=dim).clamp_(min=eps)
 
 
 def leading(base: Tensor, rows: int, cols: int) -> Tensor:
@@ -104,16 +91,10 @@ def leading(base: Tensor, rows: int, cols: int) -> Tensor:
     return base[:, : rows * cols].view(base.shape[0], rows, cols)
 
 
-def normalize_leading_(base: Tensor, rows: int, cols: int, norm_scale: float, eps: float) -> None:
-    """``frobenius_normalize_`` on ``leading(base, rows, cols)``."""
-    frobenius_normalize_(leading(base, rows, cols), norm_scale, eps)
-
-
-def fresh_code(fn: Callable) -> Callable:
-    """A copy of ``fn`` with its own code object: dynamo keeps one cache per code object."""
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
+def normalize_leading_(base: Tensor, rows: int, cols: int, eps: float) -> None:
+    """Each matrix of ``leading(base, rows, cols)`` divided by ``frobenius_divisors``, in place."""
+    X = leading(base, rows, cols)
+    X.div_(frobenius_divisors(X, (-2, -1), eps).view(-1, 1, 1))
 
 
 class Passes:
@@ -149,7 +130,7 @@ class Passes:
                 "compile-failed",
                 f"Muon's fused elementwise passes could not be compiled ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200]}); they run as eager foreach ops instead "
-                "(optimizer.muon.fused=false silences this).",
+                "(optimizer.muon.eager=true silences this).",
                 warn=True,
             )
             self.compiled = False
@@ -160,16 +141,11 @@ class Passes:
     ) -> None:
         self._call(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov, strided=strided)
 
-    def normalize(self, base: Tensor, rows: int, cols: int, norm_scale: float, eps: float) -> None:
+    def normalize(self, base: Tensor, rows: int, cols: int, eps: float) -> None:
         """``normalize_leading_`` on an owned stack (``base`` contiguous ``[k, slab]``; compiled once
         per layout, shared across buckets)."""
         key = (*_layout("normalize", base), rows, cols)
-        self._call(key, normalize_leading_, base, rows, cols, norm_scale, eps)
-
-    def scale(self, T: Tensor, f: Tensor) -> None:
-        """``ns_scaling.multiply_``: a folded Newton–Schulz scale applied to one of its small products
-        (compiled once per layout, shared across buckets)."""
-        self._call(_layout("scale", T, f), multiply_, T, f)
+        self._call(key, normalize_leading_, base, rows, cols, eps)
 
     def decay_and_update(
         self,
@@ -181,7 +157,7 @@ class Passes:
         row_factors: list | None = None,
         strided: bool = False,
     ) -> None:
-        """``decay_and_update`` on one bucket: ``scalars`` the step's ``settings.UpdateScalars`` values
+        """``decay_and_update`` on one bucket: ``scalars`` the step's ``step.UpdateScalars`` values
         (a device tensor where compiled: new values every step, nothing recompiled), ``slots`` each
         parameter's two; ``row_factors``: NorMuon's, one tensor per update; ``strided`` as in ``_call``."""
         self._call(
@@ -196,13 +172,13 @@ class Passes:
         )
 
     @classmethod
-    def choose(cls, fused: bool, device: torch.device | None, backend: str | Callable | None) -> Passes:
-        """Compiled with ``backend`` when given (any device), else compiled where inductor generates
-        GPU code (``can_compile`` on ``device``, where the parameters are; None: none to step), else
-        eager; not fused: eager."""
-        if fused and backend is not None:
+    def choose(cls, eager: bool, device: torch.device | None, backend: str | Callable | None) -> Passes:
+        """Compiled with ``backend`` when given (any device: tests), else compiled where inductor
+        generates GPU code (``can_compile`` on ``device``, where the parameters are; None: none to
+        step), unless ``eager``."""
+        if backend is not None:
             return cls(True, backend)
-        return cls(fused and device is not None and can_compile(device))
+        return cls(not eager and device is not None and can_compile(device))
 
 
 def _layout(name: str, *tensors: Tensor) -> tuple:
@@ -212,18 +188,13 @@ def _layout(name: str, *tensors: Tensor) -> tuple:
 
 
 def can_compile(device: torch.device) -> bool:
-    """Whether the fused passes compile on this device (inductor's GPU backend needs triton); where
-    they cannot, they run eagerly and that is said once."""
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            log.once("no-triton", "Muon's fused elementwise passes need triton to compile; they run eagerly.")
-            return False
-        return True
-    log.once(
-        f"eager-{device.type}",
-        f"Muon's fused elementwise passes are compiled on GPUs only; on {device.type} they run as "
-        "eager foreach ops (the same arithmetic).",
-    )
-    return False
+    """Whether the fused passes compile on this device: inductor's GPU backend, which needs triton
+    (said once where it is missing). On a CPU they run as the eager foreach ops they fuse."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        log.once("no-triton", "Muon's fused elementwise passes need triton to compile; they run eagerly.")
+        return False
+    return True

@@ -4,7 +4,7 @@ A model small enough that the host cannot keep ahead of the GPU pays for every k
 step, and Muon's step launches many: per bucket a momentum pass, a normalisation, five Newton–Schulz
 iterations of two or three products, NorMuon's row statistics, the update. On one H200 the optimizer
 study's 101M model spends about four times as long launching Muon's step as its kernels take
-(docs/performance.md, [w6] and [y]). Captured once in a CUDA graph, the same kernels cost one launch.
+(docs/performance.md). Captured once in a CUDA graph, the same kernels cost one launch.
 
 What the graph holds: for the matrices a rank steps on its own (shard groups of one rank, as on one
 GPU; stacked experts at any world size) everything after the momentum pass: the normalisation,
@@ -14,7 +14,7 @@ kernel arguments, so three things stay outside it:
 - the momentum pass, because it reads the gradients, which FSDP2 allocates anew every step
   (``zero_grad(set_to_none=True)``); it writes into buffers the graph owns (``buffers``: one per
   bucket or expert chunk), where the graph's work begins;
-- the step's learning-rate-dependent numbers (``settings.UpdateScalars``), copied every step into the
+- the step's learning-rate-dependent numbers (``step.UpdateScalars``), copied every step into the
   device tensor the graph reads (``scalars``);
 - matrices exchanged between ranks (``muonrun.optim.exchange``) and steps that collect telemetry:
   they run eagerly, as without a graph.
@@ -22,11 +22,11 @@ kernel arguments, so three things stay outside it:
 The first ``warmup_steps`` steps run the graph's part eagerly on its capture stream, as
 ``torch.cuda.graph`` asks (torch.compile's passes compile, quack builds its kernels, cuBLAS makes its
 workspace there); the next is captured and replayed, and every later step replays. ``Muon`` makes a
-new graph when the matrices with gradients or their Newton–Schulz settings change, or a state dict
-is loaded. On a CPU nothing is captured: the same buffers and order run eagerly every step (the CPU
-tests step through this path).
+new graph when the matrices with gradients change or a state dict is loaded. It makes graphs on GPUs
+only, and not when ``eager``; a test can have one made on a CPU (``Muon.graphs``), where nothing is
+captured: the same buffers and order run eagerly every step.
 
-Inside the graph the independent stacks run side by side on ``Lanes`` (``ns_streams`` CUDA streams):
+Inside the graph the independent stacks run side by side on ``Lanes`` (``STREAMS`` CUDA streams):
 one stack's products leave much of the GPU idle where they end (the last wave of tiles, the small
 ``m x m`` products of the Gram form, the start of the next dependent kernel), and another stack's
 kernels fill it (docs/performance.md). The kernels and their inputs are the ones a single stream runs,
@@ -45,7 +45,8 @@ from collections.abc import Callable, Hashable, Iterator
 import torch
 from torch import Tensor
 
-from muonrun import log
+STREAMS = 3
+"""CUDA streams a graph's independent stacks run on (the same results as one, bit for bit)."""
 
 
 class StepGraph:
@@ -55,7 +56,7 @@ class StepGraph:
     warmup_steps = 2
     """Eager steps on the capture stream before the capture (compiles and lazy set-up happen there)."""
 
-    def __init__(self, key: Hashable, buffers: list[Tensor], n_scalars: int, streams: int = 1) -> None:
+    def __init__(self, key: Hashable, buffers: list[Tensor], n_scalars: int, streams: int = STREAMS) -> None:
         self.key = key
         self.buffers = buffers
         device = buffers[0].device
@@ -65,12 +66,6 @@ class StepGraph:
         self.stats: dict[str, int] = {}  # what one replay adds to Muon's counters
         self.warm = 0
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        if self.stream is None:
-            log.once(
-                f"graph-{device.type}",
-                f"Muon's cuda_graph captures on GPUs only; on {device.type} its step runs eagerly "
-                "(the same arithmetic).",
-            )
 
     def run(self, body: Callable[[], None], stats: dict[str, int]) -> None:
         """This step's graph part, ``body``: replayed once captured; before that run eagerly on the
@@ -98,8 +93,8 @@ class StepGraph:
                     body()
             except RuntimeError as e:
                 raise RuntimeError(
-                    f"Capturing Muon's step in a CUDA graph failed ({e}). Set optimizer.muon.cuda_graph=false "
-                    "(Muon(cuda_graph=False)) to launch it kernel by kernel, and report this with the model."
+                    f"Capturing Muon's step in a CUDA graph failed ({e}). Set optimizer.muon.eager=true "
+                    "(Muon(eager=True)) to launch it kernel by kernel, and report this with the model."
                 ) from e
             self.stats = {name: stats[name] - before[name] for name in stats}
             self.graph = graph

@@ -34,12 +34,97 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
 from muonrun.errors import UserError
-from muonrun.optim.experts import ExpertLayout, expert_layout, is_experts_module
 
-__all__ = ["ParamSplit", "clean_param_name", "split_params"]
+__all__ = ["ExpertLayout", "ParamSplit", "clean_param_name", "split_params"]
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A module holding stacked expert weights ([E, out, in] parameters): transformers names them
+    `*Experts` (`Qwen2MoeExperts`, `MixtralExperts`, ...)."""
+    return type(module).__name__.endswith("Experts")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a stacked expert parameter holds its experts' ``[out, in]`` matrices. A Muon param group of
+    stacked experts carries it as ``matrices_per_expert``, ``experts_transposed`` and
+    ``experts_interleaved`` (``group_keys``)."""
+
+    matrices: int = 1
+    """Matrices per expert: 2 for a fused ``gate_up_proj`` (the gate's and the up projection's)."""
+    transposed: bool = False
+    """Stored ``[E, in, out]`` (GPT-OSS, Llama4, Aria), else ``[E, out, in]`` (Qwen2-MoE, Mixtral, DeepSeek)."""
+    interleaved: bool = False
+    """A fused projection's matrices alternate along ``out`` (GPT-OSS: gate, up, gate, ...), else they
+    follow one another."""
+
+    def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        """``(out, in)`` of one matrix of a parameter (or local shard) of ``shape`` ``[E, a, b]``."""
+        out, fan_in = (shape[2], shape[1]) if self.transposed else (shape[1], shape[2])
+        return out // self.matrices, fan_in
+
+    def matrices_of(self, T: Tensor) -> Tensor:
+        """``T`` (shaped like the parameter or its local shard, ``[E', a, b]``) as a view ``[E', k, out,
+        in]`` of its matrices: contiguous in the usual layout, strided in the others."""
+        M = T.mT if self.transposed else T
+        k = self.matrices
+        if self.interleaved:
+            return M.unflatten(1, (M.shape[1] // k, k)).transpose(1, 2)
+        return M.unflatten(1, (k, M.shape[1] // k))
+
+    @property
+    def strided(self) -> bool:
+        """Whether ``matrices_of`` gives a strided view (any layout but the usual one)."""
+        return self.transposed or self.interleaved
+
+    def group_keys(self) -> dict:
+        return {
+            "matrices_per_expert": self.matrices,
+            "experts_transposed": self.transposed,
+            "experts_interleaved": self.interleaved,
+        }
+
+    @classmethod
+    def of_group(cls, group: dict) -> ExpertLayout:
+        """The layout a param group of stacked experts declares (``group_keys``; the usual one by default)."""
+        return cls(
+            group["matrices_per_expert"],
+            bool(group.get("experts_transposed", False)),
+            bool(group.get("experts_interleaved", False)),
+        )
+
+
+def expert_layout(module: nn.Module, param_name: str) -> ExpertLayout:
+    """The layout of the stacked parameter ``param_name`` of a ``*Experts`` module. transformers declares
+    it on modules it wraps with ``use_experts_implementation`` (``is_transposed``, ``is_concatenated``);
+    an undeclared one (Llama4's) is read from where its hidden size sits in ``down_proj`` or
+    ``gate_up_proj``."""
+    k = matrices_per_expert(param_name)
+    interleaved = k > 1 and getattr(module, "is_concatenated", True) is False
+    return ExpertLayout(k, _stored_transposed(module), interleaved)
+
+
+def _stored_transposed(module: nn.Module) -> bool:
+    declared = getattr(module, "is_transposed", None)
+    if declared is not None:
+        return bool(declared)
+    hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None)
+    for name, out_is_hidden in (("down_proj", True), ("gate_up_proj", False)):
+        p = getattr(module, name, None)
+        if isinstance(p, Tensor) and p.ndim == 3 and p.shape[1] != p.shape[2] and hidden in p.shape[1:]:
+            # [E, out, in]: the hidden size is down_proj's out (dim 1) and gate_up_proj's in (dim 2)
+            return (p.shape[1] == hidden) != out_is_hidden
+    return False
+
+
+def matrices_per_expert(param_name: str) -> int:
+    """How many matrices one expert's slice of a stacked parameter holds: 2 for transformers' fused
+    `gate_up_proj` (the gate's and the up projection's), 1 otherwise."""
+    return 2 if param_name.rsplit(".", 1)[-1] == "gate_up_proj" else 1
+
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 

@@ -1,12 +1,11 @@
-"""Newton–Schulz orthogonalisation and Muon's learning-rate scaling: pure functions of tensors.
+"""Newton–Schulz orthogonalisation and Muon's learning-rate scaling: pure functions of tensors, and
+``NewtonSchulz``, the one description of the iteration that Muon runs and the dry run counts.
 
 ``newton_schulz(G)`` approximates the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` (in bf16
-unless asked otherwise), its input divided by its Frobenius norm or scaled by AOL (``Scaling``);
-``normuon_normalize`` is NorMuon's per-row normalisation of that result (``normuon_row_scale``: the
-same as one factor per row);
-``adjust_lr`` scales the learning rate by the matrix shape; ``newton_schulz_flops`` counts the
-matmul FLOPs of one call (the dry-run plan and Muon's owner balancing use it, through ``sharding.owner_cost``);
-``orthogonality_residual`` measures how orthogonal a result is. Imports only torch.
+unless asked otherwise); ``NewtonSchulz`` is the same iteration as an object Muon takes (its
+coefficients, the Gram form where it pays, the products that evaluate it), with ``flops`` counting
+what ``__call__`` runs. ``normuon_row_scale`` is NorMuon's per-row normalisation of the result,
+``adjust_lr`` scales the learning rate by the matrix shape, ``orthogonality_residual`` measures a result.
 
 References
 ----------
@@ -15,42 +14,33 @@ References
   (3.4445, -4.7750, 2.0315) and the ``original`` lr scaling ``sqrt(max(1, A/B))``.
 - J. Liu et al. (Moonshot AI), "Muon is Scalable for LLM Training", arXiv:2502.16982 -- the
   ``match_rms_adamw`` lr scaling ``0.2 * sqrt(max(A, B))``.
-- N. Amsel et al., "The Polar Express: Optimal Matrix Sign Methods and Their Application to the
-  Muon Algorithm", arXiv:2505.16932 -- per-iteration coefficients (``"polar_express"``).
 - K. Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv:2504.13074 -- the ``spectral``
-  lr scaling ``sqrt(A/B)``.
+  lr scaling ``sqrt(A/B)``, and the iteration passed to the optimizer as a function.
 - Z. Li, L. Liu, C. Liang, W. Chen, T. Zhao, "NorMuon: Making Muon more efficient and scalable",
   arXiv:2510.05491 -- the per-row second-moment normalisation (``normuon_normalize``).
-- T. Boissin, T. Massena, F. Mamalet, M. Serrurier, "Turbo-Muon: Accelerating Orthogonality-Based
-  Optimization with Pre-Conditioning", arXiv:2512.04632 -- AOL scaling and the ``"turbo"`` table
-  (AOL: B. Prach, C. H. Lampert, "Almost-Orthogonal Layers for Efficient General-Purpose Lipschitz
-  Networks", arXiv:2208.03160).
 - J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
   Algorithm for Muon" (blog, 2026), https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on
   the Gram matrix ``X X^T``, stabilised by a restart (``gram=True``).
 
-``python benchmarks/gram_ns_numerics.py`` compares the standard and Gram forms with the exact polar
-factor in bf16; docs/performance.md has their cost on the presets.
+A study of another iteration passes its own ``NewtonSchulz`` to Muon (other ``coefficients``, or a
+subclass overriding ``iterate``); ``benchmarks/README.md`` lists the scripts behind the current figures.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from muonrun.optim.ns_products import TORCH_PRODUCTS, Products, split_bf16
-from muonrun.optim.ns_scaling import DEFAULT_EPS, PRECONDITIONS, Scaling, scale_gram_, scale_input
+from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
 
 __all__ = [
     "ADJUST_LR_FNS",
     "DEFAULT_NS_COEFFICIENTS",
-    "POLAR_EXPRESS_COEFFICIENTS",
-    "PRECONDITIONS",
-    "TURBO_COEFFICIENTS",
-    "Scaling",
+    "NewtonSchulz",
     "adjust_lr",
     "gram_iterations",
     "newton_schulz",
@@ -60,54 +50,22 @@ __all__ = [
     "ns_dtype_for",
     "ns_iterations",
     "orthogonality_residual",
-    "resolve_ns_coefficients",
     "standard_iterations",
     "uses_gram_form",
     "uses_split_restart",
 ]
 
 Coefficients = tuple[float, float, float]
-NSCoefficients = Coefficients | Sequence[Coefficients] | str
 
-DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+DEFAULT_NS_COEFFICIENTS: Coefficients = (3.4445, -4.775, 2.0315)
 DEFAULT_NS_STEPS = 5
-
-# Polar Express, 5 iterations, as published in modded-nanogpt (arXiv:2505.16932). These already carry
-# the paper's safety factor; the input is normalised by ``1.02 * ||X||_F`` instead of ``||X||_F``.
-# benchmarks/polar_express_coefficients.py rebuilds the table by the paper's greedy minimax construction
-# (l_0 = 1e-3, cushion 0.02, safety factor 1.02 on every iteration but the last) to 1e-14 relative.
-POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-POLAR_EXPRESS_NORM_SCALE = 1.02
-
-# Turbo-Muon's 4-iteration table for AOL-scaled inputs (T. Boissin et al., arXiv:2512.04632, as
-# microsoft/dion ships it in newton_schulz_triton_fast), found by its authors' search for inputs
-# scaled by AOL; with ``precondition="aol"`` it stands in for 5 iterations of the default quintic.
-# It keeps singular values up to 1.1 bounded (AOL bounds them by 1, bf16 rounding may pass it).
-# A minimax refit for AOL-scaled gradient-like spectra under that bound (benchmarks/ns_levers_numerics.py
-# --fit) trades its gains on flat spectra for no better than 1.17x the default's distance on steep ones.
-TURBO_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
-    (4.6051, -9.6552, 5.6769),
-    (4.7505, -6.0861, 2.1790),
-    (2.7763, -2.3190, 0.5523),
-    (2.4231, -2.2861, 0.8193),
-)
-NAMED_TABLES: dict[str, tuple[tuple[Coefficients, ...], float]] = {
-    "polar_express": (POLAR_EXPRESS_COEFFICIENTS, POLAR_EXPRESS_NORM_SCALE),
-    "turbo": (TURBO_COEFFICIENTS, 1.0),
-}
+DEFAULT_EPS = 1e-7
 
 # Gram form: restart from the current X before this iteration, because without a restart the bf16
 # rounding in the Gram matrix compounds until the result is useless; with one before the third
-# iteration it is as close to the exact polar factor as the standard iteration
-# (benchmarks/gram_ns_numerics.py). It is used only for matrices at least GRAM_MIN_ASPECT times wider
-# than tall: on square ones it costs more FLOPs than the standard iteration. With quack's symmetric
-# products it has fewer FLOPs at any aspect above 1, but runs slower below 1.5 (docs/performance.md, [w4]).
+# iteration it is as close to the exact polar factor as the standard iteration. It is used only for
+# matrices at least GRAM_MIN_ASPECT times wider than tall: on squares it costs more FLOPs than the
+# standard iteration, and with quack's symmetric products it runs slower below 1.5 (docs/performance.md).
 GRAM_RESTART = 2
 GRAM_MIN_ASPECT = 1.5
 # The split restart (``gram_iterations``' ``split_restart``) costs 10 m^3 FLOPs (8 with symmetric
@@ -117,52 +75,111 @@ SPLIT_RESTART_MIN_ASPECT = 3.0
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
 
 
-def resolve_ns_coefficients(
-    coefficients: NSCoefficients, steps: int
-) -> tuple[tuple[Coefficients, ...], float]:
-    """Per-iteration ``(a, b, c)`` for ``steps`` iterations and the normalisation scale.
-
-    ``coefficients`` is one ``(a, b, c)`` triple (used every iteration, as in torch.optim.Muon), a
-    sequence of triples (one per iteration, the last one repeated if ``steps`` is longer), or the
-    string ``"polar_express"``: the 5-iteration table, cut to its first ``steps`` rows or with its
-    last row repeated. The greedy tables built for 3 or 4 iterations
-    (benchmarks/polar_express_coefficients.py) are the cut table with the safety factor taken off the
-    last row; on gradient-like matrices they are as close to the polar factor as the cut table (within
-    2%) and neither reaches the default quintic at 5 iterations (1.4x its distance at 4 iterations,
-    2x at 3), so fewer Polar Express iterations do not save FLOPs at equal error.
-    """
-    if steps < 0 or steps >= 100:
+def per_step_coefficients(coefficients: Coefficients | Sequence[Coefficients], steps: int) -> tuple:
+    """``(a, b, c)`` for each of ``steps`` iterations: one triple for all (torch.optim.Muon's
+    ``ns_coefficients``), or one per iteration (the last repeated where ``steps`` is longer)."""
+    if not 0 <= steps < 100:
         raise ValueError(f"ns_steps must be in [0, 100), got {steps}")
-    norm_scale = 1.0
-    if isinstance(coefficients, str):
-        if coefficients not in NAMED_TABLES:
-            raise ValueError(
-                f"unknown ns_coefficients {coefficients!r} (expected a triple or one of {tuple(NAMED_TABLES)})"
-            )
-        table, norm_scale = NAMED_TABLES[coefficients]
-    elif len(coefficients) == 3 and all(isinstance(x, (int, float)) for x in coefficients):
+    if len(coefficients) == 3 and all(isinstance(x, (int, float)) for x in coefficients):
         table = [tuple(coefficients)]
     else:
         table = [tuple(t) for t in coefficients]
         if (not table and steps > 0) or any(len(t) != 3 for t in table):
-            raise ValueError("ns_coefficients must be (a, b, c), a sequence of (a, b, c) or 'polar_express'")
-    per_step = tuple(tuple(float(x) for x in table[min(i, len(table) - 1)]) for i in range(steps))
-    return per_step, norm_scale  # type: ignore[return-value]
+            raise ValueError("ns_coefficients must be (a, b, c) or a sequence of (a, b, c)")
+    return tuple(tuple(float(x) for x in table[min(i, len(table) - 1)]) for i in range(steps))
+
+
+def uses_gram_form(shape: Sequence[int], steps: int) -> bool:
+    """Whether the Gram form applies to a matrix of this shape (where it is cheaper)."""
+    m, n = sorted(shape[-2:])
+    return steps > 0 and n >= GRAM_MIN_ASPECT * m
+
+
+def uses_split_restart(shape: Sequence[int], steps: int) -> bool:
+    """Whether the Gram form restarts from its first Gram matrix (``gram_iterations``' split restart)
+    for a matrix of this shape: it has a restart, and its long side is long enough for the split
+    restart to cost fewer FLOPs than the restart from X."""
+    m, n = sorted(shape[-2:])
+    return uses_gram_form(shape, steps) and steps > GRAM_RESTART and n >= SPLIT_RESTART_MIN_ASPECT * m
+
+
+@dataclass(frozen=True)
+class NewtonSchulz:
+    """Muon's orthogonalisation of a stack of same-shaped matrices, as one description: the step runs
+    it (``__call__``) and the dry run and the owners' balance count it (``flops``).
+
+    - ``coefficients``: ``(a, b, c)`` per iteration (``per_step_coefficients``); torch.optim.Muon's
+      five quintic iterations by default;
+    - ``eps``: the Frobenius norm's floor;
+    - ``gram``: the Gram form (``gram_iterations``) for matrices at least ``GRAM_MIN_ASPECT`` times
+      wider than tall: the same iteration in exact arithmetic, as close to the polar factor in bf16,
+      about half the FLOPs on MLP-shaped matrices; its restart rebuilds the Gram matrix from the first
+      one where ``uses_split_restart``. False: torch's standard iteration everywhere;
+    - ``products``: how the matrix products are evaluated (``ns_products.Products``; quack's
+      symmetric GEMM where ``default_products`` picks it).
+
+    A stack held whole takes its norm from its first Gram product where the Gram form applies
+    (``folds_norm``), instead of a pass dividing the matrices by it. A study passes another
+    ``NewtonSchulz`` to Muon (``Muon(..., newton_schulz=...)``): other coefficients, or a subclass whose
+    ``iterate`` (and, if its cost differs, ``flops``) is its own.
+    """
+
+    coefficients: tuple[Coefficients, ...] = (DEFAULT_NS_COEFFICIENTS,) * DEFAULT_NS_STEPS
+    eps: float = DEFAULT_EPS
+    gram: bool = False
+    products: Products = field(default=TORCH_PRODUCTS, compare=False)
+
+    @property
+    def steps(self) -> int:
+        return len(self.coefficients)
+
+    def uses_gram(self, shape: Sequence[int]) -> bool:
+        return self.gram and uses_gram_form(shape, self.steps)
+
+    def folds_norm(self, shape: Sequence[int]) -> bool:
+        """Whether ``__call__`` takes an un-normalised stack of this shape and reads its Frobenius norm
+        off the first Gram product (applied to the small m x m products, never to the m x n matrices)."""
+        return self.uses_gram(shape)
+
+    def flops(self, shape: Sequence[int]) -> int:
+        """Matmul FLOPs of one ``rows x cols`` matrix as ``__call__`` runs it (``newton_schulz_flops``),
+        symmetric results at half where the products compute one triangle of them."""
+        return newton_schulz_flops(shape, self.steps, self.gram, self.products.halves(shape))
+
+    def describe(self) -> str:
+        """The iteration in words, for the dry run."""
+        form = "standard form"
+        if self.gram:
+            form = f"Gram form where {GRAM_MIN_ASPECT:g}x wide (split restart where {SPLIT_RESTART_MIN_ASPECT:g}x wide)"
+        default = self.coefficients == (DEFAULT_NS_COEFFICIENTS,) * self.steps
+        return f"{self.steps} iterations, {'torch.optim.Muon' if default else 'custom'} coefficients, {form}, {self.products.name}"
+
+    def __call__(self, X: Tensor, *, normalized: bool = True, out: Tensor | None = None) -> Tensor:
+        """Newton–Schulz on a stack ``[k, rows, cols]`` (bf16 or fp32). ``normalized``: each matrix is
+        already divided by its Frobenius norm; else it is divided here, or where ``folds_norm`` its norm
+        is folded into the first product. Returns a new contiguous tensor, or ``out``."""
+        fold = not normalized and self.folds_norm(X.shape)
+        if not normalized and not fold:
+            norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+            X = X / norm.clamp(min=self.eps)
+        return self.iterate(X, fold_eps=self.eps if fold else None, out=out)
+
+    def iterate(self, X: Tensor, fold_eps: float | None = None, out: Tensor | None = None) -> Tensor:
+        """The iterations (``ns_iterations``); ``fold_eps``: fold the norm, with this floor."""
+        return ns_iterations(
+            X, self.coefficients, gram=self.gram, fold_eps=fold_eps, out=out, products=self.products
+        )
 
 
 def newton_schulz(
     G: Tensor,
     steps: int = DEFAULT_NS_STEPS,
-    coefficients: NSCoefficients = DEFAULT_NS_COEFFICIENTS,
+    coefficients: Coefficients | Sequence[Coefficients] = DEFAULT_NS_COEFFICIENTS,
     eps: float = DEFAULT_EPS,
     *,
-    norm_scale: float | None = None,
     fold_identity: bool = False,
     gram: bool = False,
     dtype: torch.dtype = torch.bfloat16,
-    precondition: str = "frobenius",
-    fold_scaling: bool = False,
-    split_restart: bool = False,
 ) -> Tensor:
     """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in ``dtype`` (bf16).
 
@@ -173,62 +190,26 @@ def newton_schulz(
     cols``) is not transposed in memory: the same iteration is written ``A = X^T X; X = a X + X B^T``,
     so every tensor stays contiguous and cuBLAS reads the transposes for free.
     ``fold_identity=True`` evaluates ``a X + B X`` as ``(B + a I) X`` (see ``standard_iterations``);
-    ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``), with
-    ``split_restart=True`` its split restart where that is cheaper (``uses_split_restart``).
+    ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``).
     ``dtype=torch.float32`` runs the same sequence in fp32 (on CPUs without native bf16 matmuls it is
-    several times faster: docs/performance.md).
-    ``precondition="aol"`` scales the input by AOL instead of its Frobenius norm, and
-    ``fold_scaling=True`` folds the Frobenius normalisation into the first iteration (``Scaling``;
-    AOL is always folded).
-    Returns a contiguous tensor of ``G``'s shape in ``dtype``.
+    several times faster: docs/performance.md). Returns a contiguous tensor of ``G``'s shape in ``dtype``.
     """
-    per_step, default_scale = resolve_ns_coefficients(coefficients, steps)
-    scale = default_scale if norm_scale is None else norm_scale
+    per_step = per_step_coefficients(coefficients, steps)
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
-    if precondition not in PRECONDITIONS:
-        raise ValueError(f"unknown precondition {precondition!r}; expected one of {PRECONDITIONS}")
-    rows, cols = G.shape[-2], G.shape[-1]
-    X = G.to(dtype).reshape(-1, rows, cols)
-    scaling = None
-    if precondition == "aol" or fold_scaling:
-        scaling = Scaling(precondition, scale, eps)  # the iterations never write into X (nor G)
-    else:
-        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-        if scale != 1.0:
-            norm = norm * scale
-        X = X / norm.clamp(min=eps)  # new tensor: never writes into G
-    out = ns_iterations(
-        X, per_step, gram=gram, fold_identity=fold_identity, scaling=scaling, split_restart=split_restart
-    )
-    return out.reshape(G.shape)
+    X = G.to(dtype).reshape(-1, *G.shape[-2:])
+    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)  # never writes into G
+    return ns_iterations(X, per_step, gram=gram, fold_identity=fold_identity).reshape(G.shape)
 
 
-def ns_dtype_for(name: str, device_type: str) -> torch.dtype:
-    """The dtype for Newton–Schulz named ``"bfloat16"``, ``"float32"`` or ``"auto"``: bf16 on GPUs
-    and on x86 CPUs with native bf16 dot products (AVX512-BF16, also on AMX CPUs), where it is two to
-    three times faster than fp32; fp32 on other CPUs, where bf16 matmuls are emulated and 2.5x
-    (AVX-512) to tens of times (AVX2) slower than fp32 (docs/performance.md;
-    ``ATEN_CPU_CAPABILITY=avx2`` makes this say fp32; docs/performance.md has both speeds)."""
-    if name != "auto":
-        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+def ns_dtype_for(device_type: str) -> torch.dtype:
+    """Newton–Schulz's dtype: bf16 (torch.optim.Muon's) on GPUs and on x86 CPUs with native bf16 dot
+    products (AVX512-BF16, also on AMX CPUs); fp32 on other CPUs, where bf16 matmuls are emulated and
+    2.5x (AVX-512) to tens of times (AVX2) slower than fp32 (docs/performance.md)."""
     if device_type != "cpu":
         return torch.bfloat16
     native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     return torch.bfloat16 if native and torch.backends.cpu.get_cpu_capability() == "AVX512" else torch.float32
-
-
-def uses_gram_form(shape: Sequence[int], steps: int) -> bool:
-    """Whether ``gram=True`` takes the Gram form for a matrix of this shape (where it is cheaper)."""
-    m, n = sorted(shape[-2:])
-    return steps > 0 and n >= GRAM_MIN_ASPECT * m
-
-
-def uses_split_restart(shape: Sequence[int], steps: int) -> bool:
-    """Whether ``split_restart`` applies to a matrix of this shape in the Gram form: it has a restart,
-    and its long side is long enough for the split restart to cost fewer FLOPs."""
-    m, n = sorted(shape[-2:])
-    return uses_gram_form(shape, steps) and steps > GRAM_RESTART and n >= SPLIT_RESTART_MIN_ASPECT * m
 
 
 def ns_iterations(
@@ -237,21 +218,33 @@ def ns_iterations(
     *,
     gram: bool = False,
     fold_identity: bool = False,
-    scaling: Scaling | None = None,
+    fold_eps: float | None = None,
     out: Tensor | None = None,
-    products: Sequence[Products] | None = None,
-    split_restart: bool = False,
+    products: Products = TORCH_PRODUCTS,
 ) -> Tensor:
     """Newton–Schulz on a stack ``[k, rows, cols]``: with ``gram``, the Gram form where
-    ``uses_gram_form``; else the standard one. ``X`` is normalised, or with ``scaling`` it is not and
-    its scale is folded into the first iteration. ``products``: how each iteration's matrix products
-    are evaluated (one ``ns_products.Products`` per iteration; None: torch's for all).
-    ``split_restart``: the Gram form's split restart where ``uses_split_restart``.
-    Returns a new contiguous tensor, or ``out``."""
+    ``uses_gram_form`` (its split restart where ``uses_split_restart``); else the standard one. ``X`` is
+    normalised, or with ``fold_eps`` it is not and its Frobenius norm (at least ``fold_eps``) is read off
+    the first Gram product and folded into the first iteration. Returns a new tensor, or ``out``."""
     if gram and uses_gram_form(X.shape, len(per_step)):
-        split = split_restart and uses_split_restart(X.shape, len(per_step))
-        return gram_iterations(X, per_step, scaling=scaling, out=out, products=products, split_restart=split)
-    return standard_iterations(X, per_step, fold_identity, scaling=scaling, out=out, products=products)
+        split = uses_split_restart(X.shape, len(per_step))
+        return gram_iterations(
+            X, per_step, fold_eps=fold_eps, out=out, products=products, split_restart=split
+        )
+    return standard_iterations(X, per_step, fold_identity, fold_eps=fold_eps, out=out, products=products)
+
+
+def _fold_norm_(A: Tensor, eps: float, ops: Products) -> Tensor:
+    """``A <- A / s^2`` in place for the first Gram product ``A = X X^T`` of a stack ``[k, m, m]``, with
+    ``s = max(||X||_F, eps)`` from its trace, and the fp32 ``1 / s`` ``[k, 1, 1]`` that the first product
+    with ``X`` takes. The scale stays fp32 and every product it scales is computed in fp32 and rounded once
+    (``Products.scale``): a scale rounded to bf16 would move every singular value by up to 0.2%. ``A``'s
+    entries are the input's squares: inputs past about 1e17 overflow bf16 (the step is then not finite,
+    as a NaN step is)."""
+    trace = A.diagonal(dim1=-2, dim2=-1).float().sum(-1).view(-1, 1, 1)
+    d = trace.sqrt().clamp_(min=eps).reciprocal_()
+    ops.scale(A, d.square())
+    return d
 
 
 def standard_iterations(
@@ -259,42 +252,36 @@ def standard_iterations(
     per_step: Sequence[Coefficients],
     fold_identity: bool = False,
     *,
-    scaling: Scaling | None = None,
+    fold_eps: float | None = None,
     out: Tensor | None = None,
-    products: Sequence[Products] | None = None,
+    products: Products = TORCH_PRODUCTS,
 ) -> Tensor:
-    """Newton–Schulz iterations on a normalised stack (bf16 or fp32) ``[k, rows, cols]`` (returns a new tensor).
+    """Newton–Schulz iterations on a stack (bf16 or fp32) ``[k, rows, cols]``.
 
     ``fold_identity=False`` computes ``a X + B X`` with ``baddbmm(X, B, X, beta=a)`` like
-    torch.optim.Muon; being out of place, that first copies the full-size ``X`` into its output,
-    every iteration. ``fold_identity=True`` computes ``(B + a I) X``: ``a`` goes onto the small
+    torch.optim.Muon; ``fold_identity=True`` computes ``(B + a I) X``: ``a`` goes onto the small
     Gram-sized matrix and no full-size copy is made. The results differ by where one bf16 rounding
-    happens (the diagonal of ``B + a I`` is stored in bf16): about 2% of the output's norm, the same
-    as torch's own output moves when its input moves by one bf16 ulp, and equally close to the
-    exact polar factor.
-
-    ``scaling`` (see ``Scaling``): ``X`` is not normalised; its scale comes from the first Gram
-    product ``A = X X^T`` and is folded into the first iteration, which computes ``(B' + a I) D X``
-    with ``A' = D A D`` (``D`` diagonal), so no pass over the full-size ``X`` normalises it.
-    ``out``: a tensor of ``X``'s shape and dtype the last product writes into (it may be ``X``'s
-    own memory, then a copy is made); returned in place of a new tensor.
-    ``products``: one ``ns_products.Products`` per iteration (None: torch's).
+    happens, and are equally close to the exact polar factor.
+    ``fold_eps``: ``X`` is not normalised; its scale ``D`` comes from the first Gram product and the
+    first iteration computes ``(B' + a I) D X`` with ``A' = D A D``.
+    ``out``: where the last product writes (it may be ``X``'s own memory, then a copy is made).
     """
     tall = X.shape[-2] > X.shape[-1]
     if not per_step:
-        return _finish(X if scaling is None else scale_input(X, scaling), out)
-    ops_at = [TORCH_PRODUCTS] * len(per_step) if products is None else products
+        if fold_eps is not None:
+            X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=fold_eps)
+        return _finish(X, out)
+    ops = products
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
-        ops = ops_at[i]
         A = ops.gram(X, tall)  # tall: the iteration on X^T
-        d = scale_gram_(A, scaling) if i == 0 and scaling is not None else None  # A' = D A D
+        d = _fold_norm_(A, fold_eps, ops) if i == 0 and fold_eps is not None else None  # A' = D A D
         B = ops.poly(A, b, c)
         dst = out if i == last and out is not None and not _overlaps(out, X) else None
         if fold_identity or d is not None:
             B.diagonal(dim1=-2, dim2=-1).add_(a)
             if d is not None:
-                scaling.multiply(B, d)  # (B' + a I) D: the scale of X folded into the product
+                ops.scale(B, d)  # (B' + a I) D: the scale of X folded into the product
             X = ops.apply(B, X, tall, dst)
         else:
             X = ops.apply_add(B, X, a, tall, dst)
@@ -306,12 +293,12 @@ def gram_iterations(
     per_step: Sequence[Coefficients],
     restart: int | None = GRAM_RESTART,
     *,
-    scaling: Scaling | None = None,
+    fold_eps: float | None = None,
     out: Tensor | None = None,
-    products: Sequence[Products] | None = None,
+    products: Products = TORCH_PRODUCTS,
     split_restart: bool = False,
 ) -> Tensor:
-    """The same iterations on the Gram matrix of a normalised stack ``[k, rows, cols]``.
+    """The same iterations on the Gram matrix of a stack ``[k, rows, cols]``.
 
     On the wide orientation ``m x n`` (``m < n``), with ``R = X X^T`` and ``Q = I``, each iteration
     forms ``P = a I + b R + c R^2`` and updates ``Q <- P Q``, ``R <- P R P``; the result is ``Q X``.
@@ -319,46 +306,41 @@ def gram_iterations(
     they commute), but the n-sized products happen only at the start, at the restart (``X <- Q X``,
     ``R <- X X^T`` before iteration ``restart``, which stops bf16 rounding in R from compounding)
     and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5 iterations instead of 20 m^2 n + 10 m^3.
-    ``restart=None`` never restarts (for the numerics study, benchmarks/gram_ns_numerics.py).
-    ``scaling`` and ``out`` as in ``standard_iterations``: with ``scaling`` the first ``R`` gives the
-    diagonal scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
-    ``products``: one ``ns_products.Products`` per iteration (None: torch's); a restart before
-    iteration i and the final ``Q X`` use iteration i's and the last iteration's.
+    ``restart=None`` never restarts. ``fold_eps`` and ``out`` as in ``standard_iterations``: the first
+    ``R`` gives the scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
 
     ``split_restart``: rebuild ``R`` at the restart from the first Gram matrix instead of from ``X``:
-    ``R0 = X X^T`` is kept with its fp32 accumulation (as two bf16 halves, ``split_bf16``), the
+    ``R0 = X X^T`` is kept with its fp32 accumulation (as two bf16 halves, ``Products.split``), the
     restart forms ``R <- Q R0 Q^T`` on the m x m side (``Products.regram``) and starts a new ``Q``, and
     the end applies ``(Q' Q) X``, one product with ``X`` instead of three. The exact arithmetic is
     the same; bf16 alone is not enough for it: ``R0`` rounded to bf16 makes ``Q R0 Q^T`` disagree with
-    the Gram matrix of ``Q X`` by far more than the restart removes (benchmarks/gram_precision_numerics.py).
-    The restart's products with the n-sized side (``Q X``, 2 m^2 n FLOPs, and its Gram matrix, 2 m^2 n
-    or m^2 n as a symmetric product) become four m x m products and the final ``Q' Q`` (10 m^3 FLOPs,
-    8 m^3 with symmetric products): fewer where ``uses_split_restart``.
+    the Gram matrix of ``Q X`` by far more than the restart removes. The restart's n-sized products
+    (``Q X`` and its Gram matrix, 4 m^2 n FLOPs, 3 with symmetric products) become four m x m products
+    and the final ``Q' Q`` (10 m^3 FLOPs, 8 with symmetric products): fewer where ``uses_split_restart``.
     """
     tall = X.shape[-2] > X.shape[-1]
+    ops = products
 
-    def apply(ops: Products, Q: Tensor, Y: Tensor, d: Tensor | None, dst: Tensor | None = None) -> Tensor:
+    def apply(Q: Tensor, Y: Tensor, d: Tensor | None, dst: Tensor | None = None) -> Tensor:
         if d is not None:  # Q D X
-            scaling.multiply(Q, d)
+            ops.scale(Q, d)
         return ops.apply(Q, Y, tall, dst)
 
     if not per_step:
-        return _finish(X if scaling is None else scale_input(X, scaling), out)
-    ops_at = [TORCH_PRODUCTS] * len(per_step) if products is None else products
+        return standard_iterations(X, per_step, fold_eps=fold_eps, out=out)
     split = split_restart and restart is not None and 0 < restart < len(per_step)
-    R, Q, Q_before = (ops_at[0].gram_fp32 if split else ops_at[0].gram)(X, tall), None, None
-    d = scale_gram_(R, scaling) if scaling is not None else None  # R' = D R D
+    R, Q, Q_before = (ops.gram_fp32 if split else ops.gram)(X, tall), None, None
+    d = _fold_norm_(R, fold_eps, ops) if fold_eps is not None else None  # R' = D R D
     if split:
-        R0 = split_bf16(R, X.dtype)  # [hi | lo]; the iterations take the high half
+        R0 = ops.split(R, X.dtype)  # [hi | lo]; the iterations take the high half
         R = R0[..., : R.shape[-1]]
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
-        ops = ops_at[i]
         if i == restart and Q is not None:
             if split:  # Q R0 Q^T is the Gram matrix of Q X; the end applies the new Q times this one
                 R, Q_before, Q = ops.regram(Q, R0), Q, None
             else:
-                X, d = apply(ops, Q, X, d), None
+                X, d = apply(Q, X, d), None
                 R, Q = ops.gram(X, tall), None
         P = ops.poly(R, b, c)
         P.diagonal(dim1=-2, dim2=-1).add_(a)
@@ -366,9 +348,9 @@ def gram_iterations(
         if i < last and i + 1 != restart:  # the next iteration needs R; a restart rebuilds it
             R = ops.sym_mm(ops.sym_mm(P, R), P)
     if Q_before is not None:  # polynomials in different Gram matrices: the whole product, not a triangle
-        Q = ops_at[last].mm(Q, Q_before)
+        Q = ops.mm(Q, Q_before)
     dst = out if out is not None and not _overlaps(out, X) else None
-    return _finish(apply(ops_at[last], Q, X, d, dst), out)
+    return _finish(apply(Q, X, d, dst), out)
 
 
 def _overlaps(a: Tensor, b: Tensor) -> bool:
@@ -413,10 +395,9 @@ def normuon_row_scale(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[T
     """``normuon_normalize`` as one factor per row: returns ``f`` (fp32 ``[k, m]``) with
     ``normuon_normalize(X, v, ...)[0] == f[..., None] * X`` up to fp32 rounding, and the new ``v``.
 
-    It reads ``X`` once, for each row's sum of squares ``q_i`` (fp32 accumulation, no fp32 copy of
-    ``X`` on GPUs); the Frobenius norm of ``Y = X / (sqrt(v) + eps)`` follows from the rows alone,
-    ``||Y||_F^2 = sum_i q_i / (sqrt(v_i) + eps)^2``, so the owner can scale ``X`` in place (one more
-    pass) instead of materialising ``Y`` in fp32 and rounding it back.
+    It reads ``X`` once, for each row's sum of squares ``q_i`` (fp32 accumulation); the Frobenius norm
+    of ``Y = X / (sqrt(v) + eps)`` follows from the rows alone, ``||Y||_F^2 = sum_i q_i / (sqrt(v_i) +
+    eps)^2``, so the factors ride in the update pass and ``X`` is never rescaled in memory.
     """
     m, n = X.shape[-2:]
     q = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
@@ -447,25 +428,21 @@ def orthogonality_residual(X: Tensor) -> Tensor:
 
 
 def newton_schulz_flops(
-    shape: Sequence[int],
-    steps: int = DEFAULT_NS_STEPS,
-    gram: bool = False,
-    symmetric: bool = False,
-    split_restart: bool = False,
+    shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, gram: bool = False, symmetric: bool = False
 ) -> int:
-    """Matmul FLOPs of ``newton_schulz`` on one ``rows x cols`` matrix: per iteration, on the wide
+    """Matmul FLOPs of Newton–Schulz on one ``rows x cols`` matrix: per iteration, on the wide
     orientation ``m x n`` (``m <= n``), ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n).
-    With ``gram`` (where it applies): the products ``gram_iterations`` makes, with ``split_restart``
-    its split restart where ``uses_split_restart``. ``symmetric``: the products whose result is
-    symmetric (every one but ``B X``, ``Q X`` and the split restart's ``Q R0`` and ``Q' Q``) counted
-    at half, as a symmetric GEMM that computes one triangle makes them (``ns_quack``)."""
+    With ``gram`` (where it applies): the products ``gram_iterations`` makes, its split restart where
+    ``uses_split_restart``. ``symmetric``: the products whose result is symmetric (every one but
+    ``B X``, ``Q X`` and the split restart's ``Q R0`` and ``Q' Q``) counted at half, as a symmetric
+    GEMM that computes one triangle makes them (``ns_quack``)."""
     m, n = sorted(shape[-2:])
     half = 1 if symmetric else 2  # FLOPs per multiply-add of a symmetric result
     if not (gram and uses_gram_form(shape, steps)):
         return steps * (half * m * m * n + half * m**3 + 2 * m * m * n)
     restart = steps > GRAM_RESTART
     flops = (half + 2) * m * m * n  # X X^T and the final Q X
-    if split_restart and uses_split_restart(shape, steps):
+    if uses_split_restart(shape, steps):
         flops += (2 * 2 + 2 * half + 2) * m**3  # Q R0 (two halves), its halves times Q, the final Q' Q
     elif restart:
         flops += (half + 2) * m * m * n  # Q X and its Gram matrix

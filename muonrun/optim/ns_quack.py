@@ -7,8 +7,7 @@ quack-kernels, CuTe DSL; the kernel of the Gram Newton–Schulz blog post) compu
 ``alpha * A B + beta * C`` for such a result on a triangular tile schedule: only the tiles on and
 above the diagonal are computed, and each one's epilogue also writes its transpose. Each entry is
 the same bf16-input, fp32-accumulated dot product as cuBLAS's, rounded once to bf16
-(bench_ns_products.py finds the Gram and polynomial results equal to cuBLAS's bit for bit at the
-presets' shapes). Of the other products, ``apply_add`` (the standard form's ``a X + B X``) runs on
+(the Gram and polynomial results equal cuBLAS's bit for bit at the presets' shapes). Of the other products, ``apply_add`` (the standard form's ``a X + B X``) runs on
 quack's plain GEMM with ``a X`` added in its epilogue, where cuBLAS's ``baddbmm`` first copies ``X``
 into its output; ``apply`` (``B X``) stays cuBLAS's, which quack's GEMM does not beat at these shapes.
 
@@ -22,18 +21,21 @@ Triton upper-triangle kernels nor cuBLAS on upper blocks beat
 cuBLAS's full product on an H200 (docs/performance.md, [w1]). On an H200 the GPU runs at its power
 cap, so the FLOPs this skips also give the model's own matmuls back clock ([v5]).
 
-``pip install 'muonrun[quack]'`` (quack-kernels, nvidia-cutlass-dsl); ``optimizer.muon.ns_products``
-chooses it (``optim.build.products_for``). The first step compiles a few kernels (CuTe DSL JIT).
+``pip install 'muonrun[quack]'`` (quack-kernels, nvidia-cutlass-dsl); Muon takes it on Hopper GPUs
+(``default_products``). The first step compiles a few kernels (CuTe DSL JIT).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+
 import torch
 from torch import Tensor
 
-from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE, Products
+from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE, TORCH_PRODUCTS, Products
 
-__all__ = ["QuackProducts", "hopper_tiles"]
+__all__ = ["QuackProducts", "default_products", "hopper_tiles", "quack_installed"]
 
 # (tile_M, tile_N, cluster_M, pingpong) on Hopper. The symmetric products' clusters stay square, as
 # the triangular schedule needs: 128 x 128 pingpong tiles for the polynomials and below side 1024,
@@ -68,7 +70,7 @@ class QuackProducts(Products):
     GEMMs for CUDA bf16 stacks of side ``m >= min_size``; everything else, and ``apply`` always, is
     torch's (the base class)."""
 
-    halves_symmetric = True
+    name = "quack's symmetric products (one triangle of each symmetric result)"
 
     def __init__(self, min_size: int = SYMMETRIC_MIN_SIZE) -> None:
         # optional dependency: muonrun[quack]
@@ -83,6 +85,9 @@ class QuackProducts(Products):
         )
         self.min_size = min_size
         self._hopper: dict[int, bool] = {}
+
+    def halves(self, shape) -> bool:
+        return min(shape[-2:]) >= self.min_size
 
     def _takes(self, T: Tensor, m: int, *others: Tensor | None) -> bool:
         return (
@@ -154,3 +159,27 @@ class QuackProducts(Products):
             pingpong=pingpong, persistent=True, is_dynamic_persistent=False, alpha=1.0, beta=a,
         )  # fmt: skip
         return out
+
+
+def quack_installed() -> bool:
+    """Whether quack-kernels (``pip install 'muonrun[quack]'``) can be imported, without importing it."""
+    return importlib.util.find_spec("quack") is not None
+
+
+def default_products(device_type: str) -> Products:
+    """quack's symmetric products on Hopper GPUs (compute capability 9.x) where quack-kernels is
+    installed, where they are measured faster than cuBLAS's whole products (docs/performance.md); torch's
+    everywhere else. An installed quack that fails to import is warned about, not fatal."""
+    if device_type != "cuda" or not quack_installed() or not torch.cuda.is_available():
+        return TORCH_PRODUCTS
+    if torch.cuda.get_device_capability()[0] != 9:
+        return TORCH_PRODUCTS
+    try:
+        return QuackProducts()
+    except Exception as e:  # a broken optional install must not stop a run that did not ask for it
+        warnings.warn(
+            f"quack-kernels is installed but does not import ({type(e).__name__}: {e}); Muon's Newton-Schulz "
+            "uses torch's products. Uninstall it or repair it to silence this.",
+            stacklevel=2,
+        )
+        return TORCH_PRODUCTS

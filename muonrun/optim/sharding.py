@@ -7,8 +7,8 @@ the rows back. The plan says, per bucket of matrices, who owns what and the offs
 rows in the send and receive buffers of the two ``all_to_all_single`` calls. It is built once per
 set of parameters with gradients, from shapes alone, so it is the same on every rank of a shard
 group (``verify_plan`` checks that). Owners are chosen to balance Newton–Schulz FLOPs per rank
-(``assign_owners``); ``owner_flops`` compares that with dealing each shape's matrices round-robin
-(the dry-run plan prints both). Only ``muonrun.optim.muon`` steps with this module.
+(``assign_owners``, on ``NewtonSchulz.flops``); ``owner_flops`` compares that with dealing each shape's
+matrices round-robin (the dry-run plan prints both).
 
 The step, in full (FSDP2 / HSDP):
 
@@ -19,7 +19,7 @@ group:
 1. momentum / Nesterov run elementwise on each rank's local rows (``torch._foreach_*``);
 2. same-shaped matrices are grouped, groups are packed into buckets ("megabatches"), and every
    matrix gets an owner rank so that the ranks' Newton–Schulz FLOPs are balanced
-   (``muonrun.optim.sharding.assign_owners``);
+   (``assign_owners``);
 3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (in ``ns_dtype``, padded
    to ``c`` rows; NorMuon: with the rows' fp32 ``v`` appended bit for bit) to j's owner;
 4. the owner reassembles its matrices, strips the padding and runs Newton–Schulz batched
@@ -37,7 +37,7 @@ tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +46,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonrun.distributed import local_tensor
-from muonrun.optim.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
-from muonrun.optim.ns_products import runs_symmetric
 
 try:  # torch built without distributed support
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -98,18 +96,6 @@ def shard_info(p: Tensor, name: str) -> ShardInfo:
     return ShardInfo(mesh.get_group(md), world, mesh.get_local_rank(md))
 
 
-def rows_like(p: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Zeros with one entry per row of ``p``, laid out like its rows: a 1-D DTensor with ``p``'s mesh
-    and placements (each rank holds its own rows' entries) or a plain tensor. DCP saves and reshards
-    it like the parameter."""
-    local = torch.zeros(local_tensor(p).shape[0], dtype=dtype, device=local_tensor(p).device)
-    if DTensor is None or not isinstance(p, DTensor):
-        return local
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, shape=(p.shape[0],), stride=(1,), run_check=False
-    )
-
-
 def chunk_rows(rows: int, world: int) -> int:
     return -(-rows // world)
 
@@ -129,7 +115,7 @@ class Item:
     cols: int
     chunk: int  # rows per rank slab (ceil(rows / world)); == rows when local
     local_rows: int
-    cost: int = 0  # Newton–Schulz FLOPs (owner_cost), for owner balancing
+    cost: int = 0  # Newton–Schulz FLOPs (NewtonSchulz.flops), for owner balancing
     row_state: int = 0  # buffer elements per row carrying fp32 per-row state (NorMuon's v), 0: none
     owner: int = 0
     offset: int = 0  # element offset of this rank's slab in the bucket's send/receive buffer
@@ -190,7 +176,7 @@ class Partition:
     """Matrices that share a shard group and Newton–Schulz settings, in buckets."""
 
     shard: ShardInfo
-    ns: Hashable  # the Newton–Schulz settings of these matrices (muon.py's NSSettings)
+    normuon: tuple[float, float] | None  # NorMuon's (beta2, eps) for these matrices; None: Muon
     device: torch.device
     buckets: list[Bucket] = field(default_factory=list)
 
@@ -202,8 +188,8 @@ class Entry:
     group_index: int
     name: str  # for error messages
     param: Tensor
-    ns: Hashable
-    cost: int = 0  # Newton–Schulz FLOPs the owner runs (owner_cost)
+    normuon: tuple[float, float] | None  # GroupSettings.normuon: matrices with the same one batch together
+    cost: int = 0  # Newton–Schulz FLOPs the owner runs (NewtonSchulz.flops)
     row_state: int = 0  # Item.row_state
 
 
@@ -223,15 +209,15 @@ def build_plan(entries: Sequence[Entry], bucket_numel: int = DEFAULT_BUCKET_NUME
 def _collect(entries: Sequence[Entry]) -> list[tuple[Partition, dict[tuple[int, int], list[Item]]]]:
     """Group the matrices into partitions, and by shape inside each (in parameter order).
 
-    One partition per (shard group, Newton–Schulz settings): an all-to-all runs over one process
-    group and a batched Newton–Schulz runs with one setting; same-shaped matrices batch together.
+    One partition per (shard group, NorMuon's settings): an all-to-all runs over one process group
+    and a batched NorMuon normalisation with one setting; same-shaped matrices batch together.
     """
     partitions: dict[tuple, tuple[Partition, dict[tuple[int, int], list[Item]]]] = {}
     for e in entries:
         info = shard_info(e.param, e.name)
-        key = (id(info.group), e.ns)
+        key = (id(info.group), e.normuon)
         if key not in partitions:
-            partitions[key] = (Partition(info, e.ns, local_tensor(e.param).device), {})
+            partitions[key] = (Partition(info, e.normuon, local_tensor(e.param).device), {})
         item = _item(e, info)
         item.cost, item.row_state = e.cost, e.row_state
         partitions[key][1].setdefault((item.rows, item.cols), []).append(item)
@@ -287,35 +273,23 @@ def assign_owners(buckets: Sequence[Sequence[Item]], world: int) -> None:
         load[r] += it.cost
 
 
-def owner_cost(
-    shape: Sequence[int], steps: int, gram: bool, symmetric: bool, split_restart: bool = False
-) -> int:
-    """Newton–Schulz FLOPs the owner of one ``rows x cols`` matrix runs, what owners are balanced on:
-    with products that halve the symmetric results (``symmetric``, quack's), those of the matrices
-    they take (``runs_symmetric``) at half; ``split_restart`` as Muon's."""
-    return newton_schulz_flops(shape, steps, gram, runs_symmetric(shape, symmetric), split_restart)
-
-
 def owner_flops(
     shapes: Iterable[Sequence[int]],
     world: int,
-    steps: int = DEFAULT_NS_STEPS,
-    gram: bool = False,
+    flops: Callable[[Sequence[int]], int],
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    symmetric: bool = False,
-    split_restart: bool = False,
 ) -> dict[str, list[int]]:
     """Newton–Schulz FLOPs per rank of one optimizer step for matrices of these shapes on a shard
-    group of ``world`` ranks: ``"balanced"``, as Muon assigns owners (``assign_owners``), and
-    ``"round_robin"``, each shape's matrices dealt to the ranks in turn (the matrices grouped by
-    shape in order of appearance, the next shape starting where the last one stopped). ``symmetric``:
-    the symmetric products of matrices that quack's GEMM takes (``runs_symmetric``) at half
-    (``newton_schulz_flops``)."""
+    group of ``world`` ranks, each costing ``flops(shape)`` (``NewtonSchulz.flops``): ``"balanced"``, as
+    Muon assigns owners (``assign_owners``), and ``"round_robin"``, each shape's matrices dealt to the
+    ranks in turn (the matrices grouped by shape in order of appearance, the next shape starting where
+    the last one stopped)."""
     by_shape: dict[tuple[int, int], list[Item]] = {}
     for shape in shapes:
         rows, cols = int(shape[0]), int(shape[1])
-        cost = owner_cost((rows, cols), steps, gram, symmetric, split_restart)
-        by_shape.setdefault((rows, cols), []).append(Item(None, 0, rows, cols, rows, rows, cost))
+        by_shape.setdefault((rows, cols), []).append(
+            Item(None, 0, rows, cols, rows, rows, flops((rows, cols)))
+        )
     round_robin = [0] * world
     for i, it in enumerate(it for items in by_shape.values() for it in items):
         round_robin[i % world] += it.cost

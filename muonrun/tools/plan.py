@@ -71,22 +71,16 @@ def mlp_width(hf) -> int | None:
     return experts_per_token(hf) * (expert_width(hf) + hf.hidden_size // 2) + shared
 
 
-def expert_ns_flops(
-    stacked: list,
-    steps: int,
-    dp_shard: int,
-    gram: bool = False,
-    symmetric: bool = False,
-    split_restart: bool = False,
-) -> list[int]:
+def expert_ns_flops(stacked: list, flops, dp_shard: int) -> list[int]:
     """Newton–Schulz FLOPs per rank for stacked expert parameters (their shape [E, a, b] and
-    ``experts.ExpertLayout``: k matrices per expert): each rank orthogonalises the k matrices of each
-    expert it holds (torch.chunk over dp_shard ranks: ceil(E / dp_shard) each, the last ranks fewer)."""
-    from muonrun.optim.sharding import local_rows, owner_cost
+    ``groups.ExpertLayout``: k matrices per expert, each costing ``flops(shape)``): each rank
+    orthogonalises the k matrices of each expert it holds (torch.chunk over dp_shard ranks: ceil(E /
+    dp_shard) each, the last ranks fewer)."""
+    from muonrun.optim.sharding import local_rows
 
     per_rank = [0] * dp_shard
     for shape, layout in stacked:
-        cost = owner_cost(layout.matrix_shape(shape), steps, gram, symmetric, split_restart)
+        cost = flops(layout.matrix_shape(shape))
         for r in range(dp_shard):
             per_rank[r] += local_rows(shape[0], dp_shard, r) * layout.matrices * cost
     return per_rank
@@ -122,45 +116,13 @@ def memory_warning(s: dict, c) -> str | None:
     )
 
 
-def ns_flops_per_rank(
-    shapes: list,
-    steps: int,
-    dp_shard: int,
-    gram: bool = False,
-    symmetric: bool = False,
-    split_restart: bool = False,
-) -> dict[str, list[int]]:
-    """Muon's Newton–Schulz FLOPs of each of the dp_shard ranks per optimizer step: every matrix is
-    orthogonalized once in each shard group, by one owner rank. `"balanced"`: the owners Muon picks
-    (balanced by cost); `"round_robin"`: each shape's matrices dealt to the ranks in turn."""
-    from muonrun.optim.sharding import owner_flops
-
-    return owner_flops(shapes, dp_shard, steps, gram, symmetric=symmetric, split_restart=split_restart)
-
-
-def ns_settings(m, symmetric: bool) -> str:
-    """The Newton–Schulz settings the FLOPs are counted for, in words."""
-    from muonrun.optim.newton_schulz import SPLIT_RESTART_MIN_ASPECT
-
-    parts = [f"{m.ns_steps} iterations", f"{m.ns_coefficients} coefficients", f"{m.ns_precondition} scaling"]
-    if m.gram_ns:
-        split = f", split restart where {SPLIT_RESTART_MIN_ASPECT:g}x wide" if m.ns_split_restart else ""
-        parts.append("Gram form where wide" + split)
-    parts.append(
-        "quack's symmetric products (one triangle of each symmetric result)"
-        if symmetric
-        else "torch's products"
-    )
-    return ", ".join(parts)
-
-
-def ns_symmetric(cfg: Config) -> bool:
-    """Whether Muon's products run on quack's symmetric GEMM as this machine resolves
-    `optimizer.muon.ns_products` (`auto` depends on the GPU and on quack being installed)."""
+def muon_iteration(cfg: Config):
+    """The Newton–Schulz iteration Muon runs for this config on this machine's kind of device (its
+    products: quack's on a Hopper GPU with quack-kernels installed): the one the step runs."""
     from muonrun.distributed import pick_device_type
-    from muonrun.optim.ns_products import quack_chosen
+    from muonrun.optim.build import muon_iteration as iteration_for
 
-    return quack_chosen(cfg.optimizer.muon.ns_products, pick_device_type(cfg))
+    return iteration_for(cfg.optimizer, pick_device_type(cfg))
 
 
 def tokenizer_and_data(c, check_data_here: bool = True) -> tuple[int | None, str, str]:
@@ -197,6 +159,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.model.build import check_model, count_params
     from muonrun.model.build import flops_per_token as model_flops_per_token
     from muonrun.optim.groups import split_params
+    from muonrun.optim.sharding import owner_flops
 
     nnodes = cfg.launch.nnodes
     world = default_nproc(cfg) * nnodes if world_size is None else world_size
@@ -218,7 +181,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     )
     muon_params = sum(p.numel() for _, p in split.muon + split.experts)
     tokens_per_step = cfg.tokens_per_step(world)
-    symmetric = cfg.optimizer.name == "muon" and ns_symmetric(cfg)
+    iteration = muon_iteration(cfg) if cfg.optimizer.name == "muon" else None
     fpt = flops_per_token(features, model_flops_per_token(hf, cfg.data.seq_len), model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
     param_bytes = 4 if cfg.parallel.param_dtype == "float32" or cfg.train.device == "cpu" else 2
@@ -236,28 +199,14 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         "total_tokens": tokens_per_step * cfg.train.max_steps,
         "model_flops_per_rank_step": fpt * tokens_per_step / world,
         "ns_flops_per_rank_step": (
-            ns_flops_per_rank(
-                [p.shape for _, p in split.muon],
-                cfg.optimizer.muon.ns_steps,
-                shard,
-                cfg.optimizer.muon.gram_ns,
-                symmetric,
-                cfg.optimizer.muon.ns_split_restart,
-            )
-            if cfg.optimizer.name == "muon"
-            else 0
+            owner_flops([p.shape for _, p in split.muon], shard, iteration.flops) if iteration else 0
         ),
-        "ns_symmetric": symmetric,
+        "ns_iteration": iteration.describe() if iteration else "",
         "expert_ns_flops_per_rank_step": (
             expert_ns_flops(
-                [(p.shape, split.expert_layouts[n]) for n, p in split.experts],
-                cfg.optimizer.muon.ns_steps,
-                shard,
-                cfg.optimizer.muon.gram_ns,
-                symmetric,
-                cfg.optimizer.muon.ns_split_restart,
+                [(p.shape, split.expert_layouts[n]) for n, p in split.experts], iteration.flops, shard
             )
-            if cfg.optimizer.name == "muon"
+            if iteration
             else [0] * shard
         ),
         "memory_gib_per_rank": memory_per_rank(params, muon_params, cfg.optimizer.name, shard, param_bytes),
@@ -314,7 +263,7 @@ def print_plan(cfg: Config, world_size: int | None) -> None:
             -1,
             (
                 "Muon Newton–Schulz",
-                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step ({ns_settings(cfg.optimizer.muon, s['ns_symmetric'])}) "
+                f"{ns / 1e12:.2f} TFLOP per rank per optimizer step ({s['ns_iteration']}) "
                 f"= {ns / model:.1%} of the model's "
                 f"{model / 1e12:.1f} TFLOP per rank and step (busiest rank: {ns / 1e12:.2f} TFLOP, "
                 f"{ns / average:.1%} of the average, with owners balanced by cost; {rr / 1e12:.2f} TFLOP, "

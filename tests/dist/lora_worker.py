@@ -112,7 +112,7 @@ def reference(cfg, trainer):
     others = [p for n, p in ref.named_parameters() if p.requires_grad and not is_adapter(n)]
     muon = torch.optim.Muon(
         adapters, lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
-        ns_steps=m.ns_steps, eps=m.eps, adjust_lr_fn=m.adjust_lr_fn,
+        adjust_lr_fn=m.adjust_lr_fn,
     )  # fmt: skip
     decay = [p for p in others if p.ndim == 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}]

@@ -23,8 +23,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from muonrun.distributed import destroy, release_process_groups
-from muonrun.optim import Muon, split_params
-from muonrun.optim.experts import ExpertLayout
+from muonrun.optim import Muon, NewtonSchulz, split_params
+from muonrun.optim.groups import ExpertLayout
+from muonrun.optim.newton_schulz import gram_iterations
 
 H, INTER = 32, 8  # expert matrices 8 x 32 and 32 x 8: wide enough for the Gram form's split restart
 LR = 0.05
@@ -69,6 +70,14 @@ def expert_matrices(full: torch.Tensor, name: str, layout: str = "qwen2_moe") ->
     return mats
 
 
+class FromX(NewtonSchulz):
+    """The Gram form restarting from X everywhere (Muon's restarts from its first Gram matrix where the
+    matrix is 3 times wider than tall, as every expert matrix here is)."""
+
+    def iterate(self, X, fold_eps=None, out=None):
+        return gram_iterations(X, self.coefficients, fold_eps=fold_eps, out=out)
+
+
 def full_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
@@ -98,9 +107,7 @@ def run(
         [{"params": [p for _, p in split.muon]}, *split.expert_groups()],
         variant=variant,
         ns_dtype=ns_dtype,
-        fused=fused,
         gram=gram,
-        split_restart=gram,
         **kw,
     )
     if fused:
@@ -113,8 +120,8 @@ def run(
     if variant == "muon" and ns_dtype == torch.bfloat16 and not gram:
         ref = torch.optim.Muon(ref_params, **kw)
     else:
-        restart = gram if ref_split is None else ref_split
-        ref = Muon(ref_params, variant=variant, ns_dtype=ns_dtype, gram=gram, split_restart=restart, **kw)
+        iteration = {"gram": gram} if ref_split is not False else {"newton_schulz": FromX(gram=True)}
+        ref = Muon(ref_params, variant=variant, ns_dtype=ns_dtype, **iteration, **kw)
     init = [p.detach().clone() for p in ref_params]
     for step in range(steps):
         grads = full_grads(ref_model, step)

@@ -34,11 +34,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from muonrun.train.clip import clip_grad_norm
 from muonrun.distributed import destroy, release_process_groups
-from muonrun.optim import DEFAULT_NS_COEFFICIENTS, AdamW, Muon, adjust_lr, newton_schulz
+from muonrun.optim import DEFAULT_NS_COEFFICIENTS, AdamW, Muon, NewtonSchulz, adjust_lr, newton_schulz
 from muonrun.optim.newton_schulz import ns_iterations, orthogonality_residual
 from muonrun.optim.sharding import owner_flops
+from muonrun.train.clip import clip_grad_norm
 
 # (out_features, in_features): parameter shape is (out, in). Includes repeated shapes (several
 # owners per chunk, partial last chunk), rows not divisible by 3 or 4, fewer rows than ranks
@@ -54,37 +54,58 @@ RTOL_FP32 = 1e-4  # fp32 Newton–Schulz: the same sums in other orders, amplifi
 T0 = time.perf_counter()
 
 
-class FoldedMuon(Muon):
-    """Muon with Newton–Schulz evaluated as ``(B + a I) X`` (``fold_identity``): no full-size copy per
-    iteration, different bf16 rounding from torch's ``a X + B X``. Not an option of Muon (which runs
-    torch's sequence); the tests check that it stays as close to the reference through the whole
-    optimizer, sharded or not, and tests/dist/muon_bench.py times it."""
+class FoldedNewtonSchulz(NewtonSchulz):
+    """Newton–Schulz evaluated as ``(B + a I) X`` (``fold_identity``): no full-size copy per iteration,
+    different bf16 rounding from torch's ``a X + B X``. Not Muon's (which runs torch's sequence); the
+    tests check that a study's own iteration passed as ``newton_schulz`` steps through the whole
+    optimizer, sharded or not, as on one device."""
 
-    def _newton_schulz(self, X, per_step, *, scaling=None, out=None):
+    def iterate(self, X, fold_eps=None, out=None):
         return ns_iterations(
-            X, per_step, gram=self.gram, fold_identity=True, scaling=scaling, out=out, split_restart=self.split_restart
+            X,
+            self.coefficients,
+            gram=self.gram,
+            fold_identity=True,
+            fold_eps=fold_eps,
+            out=out,
+            products=self.products,
         )
 
 
-# Muon's levers beyond torch's (test_muon.py checks each on one device): none, the fused passes (eager
-# here: torch's Newton–Schulz), AOL scaling with Turbo-Muon's 4-iteration table, or the Gram form's
-# split restart (on the 20 x 4 and 1 x 9 matrices, the ones 3 times wider than tall)
-LEVERS = {
-    "": ({}, {}),
-    "fused": ({"fused": True}, {}),
-    "split": ({"split_restart": True}, {"split_restart": True}),
-    "aol": (
-        {"precondition": "aol", "ns_coefficients": "turbo", "ns_steps": 4},
-        {"precondition": "aol", "coefficients": "turbo", "steps": 4},
-    ),
-}
+class DividesFirst:
+    """An iteration that never folds the norm into its first product: what a sharded owner runs (it
+    divides while reassembling the rows), for a reference on plain tensors, which would fold it."""
+
+    def folds_norm(self, shape):
+        return False
 
 
-def reference_ns(fast: bool, gram: bool, dtype: torch.dtype, lever: str = ""):
-    """The Newton–Schulz a reference uses: torch.optim.Muon's own, or (folded, Gram, fp32, a lever) ours."""
-    if not fast and not gram and dtype == torch.bfloat16 and not lever:
+class Unfolded(DividesFirst, NewtonSchulz):
+    pass
+
+
+class FoldedUnfolded(DividesFirst, FoldedNewtonSchulz):
+    pass
+
+
+def iteration(fast: bool, gram: bool, folds: bool = True) -> NewtonSchulz:
+    """Muon's iteration or, ``fast``, the study's; ``folds``: the norm folded where a rank holds a
+    matrix whole (as Muon's own does), else divided first."""
+    kinds = {(False, True): NewtonSchulz, (True, True): FoldedNewtonSchulz, (False, False): Unfolded}
+    return kinds.get((fast, folds), FoldedUnfolded)(gram=gram)
+
+
+def make_muon(params, fast: bool = False, gram: bool = False, folds: bool = True, **kw) -> Muon:
+    """Our Muon with ``iteration(fast, gram, folds)``."""
+    return Muon(params, newton_schulz=iteration(fast, gram, folds), **kw)
+
+
+def reference_ns(fast: bool, gram: bool, dtype: torch.dtype, folds: bool = True):
+    """The Newton–Schulz a reference uses: torch.optim.Muon's own, or (folded, Gram, fp32) ours."""
+    if not fast and not gram and dtype == torch.bfloat16:
         return lambda u: torch.optim._muon._zeropower_via_newtonschulz(u, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
-    return lambda u: newton_schulz(u, fold_identity=fast, gram=gram, dtype=dtype, **LEVERS[lever][1])
+    ns = iteration(fast, gram, folds)
+    return lambda u: ns(u.to(dtype)[None], normalized=False)[0]
 
 
 class NorMuonReference:
@@ -174,21 +195,18 @@ def distribute_local(full: torch.Tensor, like: DTensor) -> DTensor:
 
 
 def reference_optimizer(
-    params, fast: bool, gram: bool = False, variant="muon", ns_dtype=torch.bfloat16, lever: str = "", **kw
+    params, fast: bool, gram: bool = False, variant="muon", ns_dtype=torch.bfloat16, folds=True, **kw
 ):
     """Unsharded reference: NorMuonReference; torch.optim.Muon; or our Muon on plain tensors for the
-    folded (fast), Gram or fp32 Newton–Schulz, for "spectral" and for the levers (checked against
-    torch / exact arithmetic / a hand formula / the paper in test_muon.py)."""
-    if lever:
-        return (FoldedMuon if fast else Muon)(
-            params, **kw, gram=gram, ns_dtype=ns_dtype, variant=variant, **LEVERS[lever][0]
-        )
+    folded (fast), Gram or fp32 Newton–Schulz and for "spectral" (checked against torch / exact
+    arithmetic / a hand formula / the paper in test_muon.py). ``folds``: the Gram form's norm folded, as
+    a shard group of one rank folds it (several ranks divide while reassembling)."""
     if variant == "normuon":
-        return NorMuonReference(params, reference_ns(fast, gram, ns_dtype), **kw)
+        return NorMuonReference(params, reference_ns(fast, gram, ns_dtype, folds), **kw)
     if fast or gram or ns_dtype != torch.bfloat16:
-        return (FoldedMuon if fast else Muon)(params, **kw, gram=gram, ns_dtype=ns_dtype)
+        return make_muon(params, fast, gram, folds, ns_dtype=ns_dtype, **kw)
     if kw.get("adjust_lr_fn") == "spectral":
-        return Muon(params, **kw)
+        return Muon(params, ns_dtype=ns_dtype, **kw)
     return torch.optim.Muon(params, **kw)
 
 
@@ -216,10 +234,9 @@ ALL_COMBOS = list(
 def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
     """adjust_lr_fn x nesterov x weight decay combinations, 1 and 10 steps, vs the reference; a third
     of them NorMuon (bf16 and fp32 exchange), a third Muon with fp32 Newton–Schulz (the CPU path), a
-    third torch's bf16 Muon; a quarter with the fused passes, a quarter with AOL scaling and its
-    4-iteration table, two of the Gram-form ones with the split restart (each against our Muon on plain
-    tensors with the same lever). Telemetry on
-    throughout, checked against the reference's last step."""
+    third torch's bf16 Muon; half with the Gram form (its split restart on the 20 x 4 and 1 x 9
+    matrices, the restart from X on the others), half with a study's own iteration
+    (``FoldedNewtonSchulz``). Telemetry on throughout, checked against the reference's last step."""
     shard_dim = len(mesh.shape) - 1
     shard_group = mesh.get_group(shard_dim)
     W = mesh.size(shard_dim)
@@ -230,31 +247,19 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         fully_shard(model, mesh=mesh)
         params = list(model.parameters())
         kw = dict(lr=LR, weight_decay=wd, nesterov=nesterov, adjust_lr_fn=fn)
-        fast = nesterov != (wd > 0)  # half the combos with the folded Newton–Schulz (FoldedMuon)
+        fast = nesterov != (wd > 0)  # half the combos with a study's iteration (FoldedNewtonSchulz)
         gram = fn in ("original", "spectral")  # half with the Gram form for the wide and tall matrices
         variant = "normuon" if ci % 3 == 1 else "muon"
         ns_dtype = torch.float32 if ci % 3 == 2 or (variant == "normuon" and ci % 2 == 0) else torch.bfloat16
         rtol = RTOL if ns_dtype == torch.bfloat16 else RTOL_FP32
-        lever = {3: "fused", 2: "aol", 0: "split" if gram else ""}.get(ci % 4, "")
-        steps = LEVERS[lever][0].get("ns_steps", 5)
         # mostly one big bucket, sometimes many tiny ones (exercises the async prefetch pipeline at
         # depths 1 to 3)
         bucket = 200 if ci % 4 == 1 else 1 << 26
-        opt = (FoldedMuon if fast else Muon)(
-            params,
-            **kw,
-            bucket_numel=bucket,
-            gram=gram,
-            variant=variant,
-            ns_dtype=ns_dtype,
-            **LEVERS[lever][0],
-        )
+        opt = make_muon(params, fast, gram, **kw, bucket_numel=bucket, variant=variant, ns_dtype=ns_dtype)
         opt.prefetch = 1 + ci % 3
         opt.collect_telemetry = True
-        ref = reference_optimizer(ref_params, fast, gram, variant, ns_dtype, lever, **kw)
-        what = (
-            f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram} {variant} {ns_dtype} {lever}"
-        )
+        ref = reference_optimizer(ref_params, fast, gram, variant, ns_dtype, folds=W == 1, **kw)
+        what = f"{tag} fn={fn} nesterov={nesterov} wd={wd} fast={fast} gram={gram} {variant} {ns_dtype}"
         for step in range(10):
             grads = full_grads(step, ci)
             set_sharded_grads(params, grads)
@@ -266,7 +271,7 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
             if step in (0, 9):
                 diff = assert_close_to_reference(params, ref_params, init, f"{what} step={step + 1}", rtol)
         check_telemetry(
-            opt, params, ref, ref_params, before, reference_ns(fast, gram, ns_dtype, lever), nesterov, what
+            opt, params, ref, ref_params, before, reference_ns(fast, gram, ns_dtype), nesterov, what
         )
         # every matrix orthogonalised exactly once per step in the shard group
         stats = [opt.stats["orthogonalized"], opt.stats["all_to_all"], opt.stats["gram"]]
@@ -277,10 +282,9 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         assert int(t[2]) == (10 * wide_or_tall if gram else 0), (tag, fn, int(t[2]))
         # owners balanced by Newton–Schulz FLOPs, as the dry-run plan computes them
         per_rank = [0] * W
-        for it in (it for part in opt._plan for b in part.buckets for it in b.items):
+        for it in (it for part in opt.plan for b in part.buckets for it in b.items):
             per_rank[it.owner] += it.cost
-        split = LEVERS[lever][0].get("split_restart", False)
-        expected = owner_flops(SHAPES, W, steps, gram, bucket, split_restart=split)["balanced"]
+        expected = owner_flops(SHAPES, W, opt.newton_schulz.flops, bucket)["balanced"]
         assert per_rank == expected, (what, per_rank)
         # state: one momentum buffer per matrix, a DTensor with the parameter's placements; NorMuon's
         # per-row second moment laid out like the rows, equal to the reference's on this rank's rows
@@ -314,7 +318,7 @@ def check_telemetry(opt, params, ref, ref_params, before, ns, nesterov: bool, wh
     )
     bufs = [ref.state[q]["momentum_buffer"] for q in ref_params]
     momentum_norm = math.sqrt(sum(b.square().sum().item() for b in bufs))
-    i = next(i for i, p in enumerate(params) if p is opt._plan[0].buckets[0].items[0].param)
+    i = next(i for i, p in enumerate(params) if p is opt.plan[0].buckets[0].items[0].param)
     g = ref_params[i].grad
     residual = orthogonality_residual(ns(g.lerp(bufs[i], 0.95) if nesterov else bufs[i])).item()
     for key, expected, rtol in (

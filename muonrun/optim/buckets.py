@@ -1,0 +1,125 @@
+"""One bucket of 2-D matrices through Muon's step, in three parts, wherever the bucket's rows live:
+``prepare`` (momentum on this rank's rows, into the send buffer), ``orthogonalize`` (the owner's side:
+reassemble, normalise, Newton–Schulz, NorMuon's row factors, the rows back into the buffer) and
+``apply`` (weight decay and the scaled update on this rank's rows). Between them the exchange
+(``muonrun.optim.exchange``) moves the buffer to the owners and back; on a rank that holds its matrices
+whole (one GPU) the same buffer serves both sides (``muonrun.optim.local``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from muonrun import compat
+from muonrun.distributed import local_tensor
+from muonrun.optim.fused import frobenius_divisors, with_row_factors
+from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale, orthogonality_residual
+from muonrun.optim.sharding import Bucket, Owned, Partition, scatter_rows
+from muonrun.optim.step import MuonStep
+from muonrun.optim.telemetry import sum_of_squares
+
+
+def prepare(step: MuonStep, part: Partition, bucket: Bucket, send: Tensor | None = None) -> Tensor:
+    """Momentum on local rows; writes the slabs (padding zeroed, NorMuon's v appended) to send, into
+    ``send`` (None: a new buffer), which it returns."""
+    if send is None:
+        send = torch.empty(bucket.send_numel, dtype=step.ns_dtype, device=part.device)
+    for gi, items in bucket.by_group:
+        s = step.groups[gi]
+        bufs, grads, dsts = [], [], []
+        for it in items:
+            grad = it.param.grad
+            if grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            bufs.append(local_tensor(step.momentum_buffer(it.param)))
+            grads.append(local_tensor(grad))
+            dsts.append(send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols))
+        step.passes.momentum((id(bucket), gi), bufs, grads, dsts, s.momentum, s.nesterov)
+        if step.sums is not None:
+            step.add(part.shard.group, "momentum", sum_of_squares(bufs))
+    if part.normuon:
+        vs = [local_tensor(step.second_moment(it.param)) for it in bucket.items]
+        compat.foreach_copy_([it.state_view(send) for it in bucket.items], vs)
+    for lo, hi in bucket.padding:
+        send[lo:hi].zero_()
+    return send
+
+
+def orthogonalize(step: MuonStep, part: Partition, bucket: Bucket, recv: Tensor, lanes=None) -> None:
+    """Owner side: every stack of same-shaped matrices this rank owns in ``recv`` (laid out by the plan,
+    per source), each on a lane of ``lanes`` (``local.Lanes``: the CUDA graph's streams; None: in turn)."""
+    grid = recv.view(part.shard.world, bucket.per_source)
+    for own in bucket.owned:
+        if lanes is None:
+            orthogonalize_stack(step, part, own, grid)
+        else:
+            with lanes.lane():  # independent stacks: side by side on the graph's CUDA streams
+                orthogonalize_stack(step, part, own, grid)
+
+
+def orthogonalize_stack(step: MuonStep, part: Partition, own: Owned, grid: Tensor) -> None:
+    """The owner's work on one stack of same-shaped matrices (``grid``: the receive buffer as ``[world,
+    per_source]``): normalise it (or fold the norm), Newton–Schulz, NorMuon's row factors, and on several
+    ranks the rows back into ``grid``."""
+    W, ns = part.shard.world, step.newton_schulz
+    k, R, C, c = own.count, own.rows, own.cols, own.chunk
+    run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
+    slabs = run[..., : c * C].view(W, k, c, C)
+    if W == 1:  # the buffer is ours: normalised in place (or its norm folded), the result written back
+        X = slabs[0]
+        folds = ns.folds_norm(X.shape)
+        if not folds:
+            step.passes.normalize(run[0], c, C, ns.eps)
+        out = ns(X, normalized=not folds, out=X)
+    else:  # reassembled and normalised in one pass (padding rows are zero: the norm is the matrix's)
+        full = torch.empty(k, W * c, C, dtype=grid.dtype, device=grid.device)
+        norm = frobenius_divisors(slabs, (0, 2, 3), ns.eps).view(k, 1, 1, 1)
+        torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))
+        X = full[:, :R]
+        out = ns(X)
+    if own.first is step.sample:  # reported by its owner, summed with the others' zeros
+        step.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
+    if part.normuon:
+        states = run[..., own.state_at : own.state_at + c * own.first.row_state]
+        states = states.view(torch.float32).view(W, k, 2, c)  # v, then the factor, of every row
+        v = states[:, :, 0].transpose(0, 1).reshape(k, W * c)[:, :R]
+        factor, v = normuon_row_scale(out, v, *part.normuon)
+        scatter_rows(states[:, :, 0], v, c)
+        scatter_rows(states[:, :, 1], factor, c)  # applied with the update (``apply``)
+    if W > 1:
+        scatter_rows(slabs, out, c)
+    step.stats["orthogonalized"] += k
+    step.stats["gram"] += k * ns.uses_gram(X.shape)
+
+
+def apply(step: MuonStep, part: Partition, bucket: Bucket, result: Tensor) -> None:
+    """Weight decay and the scaled update on this rank's rows (NorMuon: and the new v)."""
+    views = {
+        id(it): result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
+        for it in bucket.items
+    }
+    factors = {id(it): it.state_view(result, 1) for it in bucket.items} if part.normuon else {}
+    if step.sums is not None:  # what the step changes, before it changes it
+        deltas = []
+        for gi, rows, cols, items in bucket.by_update:
+            s = step.groups[gi]
+            d = compat.foreach_mul([local_tensor(it.param) for it in items], -s.lr * s.weight_decay)
+            us = [views[id(it)] for it in items]
+            if part.normuon:
+                us = with_row_factors(us, [factors[id(it)] for it in items])
+            compat.foreach_add_(d, us, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+            deltas += d
+        step.add(part.shard.group, "update", sum_of_squares(deltas))
+    params, updates, slots = [], [], []
+    for gi, rows, cols, items in bucket.by_update:
+        params += [local_tensor(it.param) for it in items]
+        updates += [views[id(it)] for it in items]
+        slots += [step.scalars.slots[(gi, rows, cols)]] * len(items)
+    row_factors = (
+        [factors[id(it)] for *_, items in bucket.by_update for it in items] if part.normuon else None
+    )
+    step.passes.decay_and_update((id(bucket),), params, updates, step.scalars.passed, slots, row_factors)
+    if part.normuon:
+        vs = [local_tensor(step.second_moment(it.param)) for it in bucket.items]
+        compat.foreach_copy_(vs, [it.state_view(result) for it in bucket.items])

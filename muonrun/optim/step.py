@@ -1,0 +1,175 @@
+"""What one Muon step needs, in one typed object: ``MuonStep``, built by ``Muon.step`` and handed to
+every path that runs a part of the step (the exchange of sharded matrices, a rank's own matrices and
+their CUDA graph, stacked experts). The paths read the settings and write the state through it, and
+touch nothing else of the optimizer.
+
+``GroupSettings`` is one param group's hyperparameters as a step reads them (the schedule may change
+``lr`` every step); ``UpdateScalars`` lays out their learning-rate-dependent numbers for the update pass,
+so a compiled pass or a CUDA graph reads the same slots every step while the values change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from muonrun.distributed import local_tensor
+from muonrun.optim.fused import Passes
+from muonrun.optim.groups import ExpertLayout
+from muonrun.optim.newton_schulz import ADJUST_LR_FNS, NewtonSchulz, adjust_lr
+from muonrun.optim.telemetry import Sums
+
+try:  # torch built without distributed support
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+VARIANTS = ("muon", "normuon")
+NS_KEYS = ("ns_coefficients", "eps", "ns_steps")  # torch.optim.Muon's per-group Newton–Schulz settings
+
+
+def to_float(x: float | Tensor) -> float:
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+def check_group(group: dict) -> None:
+    """Raises ValueError for a param group's setting Muon does not know."""
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    if group["variant"] not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {group['variant']!r}")
+    if not 0.0 <= group["beta2"] < 1.0:
+        raise ValueError(f"beta2 should be in [0, 1) but is: {group['beta2']}")
+    per_group = [k for k in NS_KEYS if k in group]
+    if per_group:  # torch.optim.Muon reads them per group; here they would be silently ignored
+        raise ValueError(
+            f"a param group sets {per_group}: Newton–Schulz is one iteration for the whole optimizer; pass it "
+            "to Muon itself (ns_coefficients, eps, ns_steps, or newton_schulz)"
+        )
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """One param group's settings for this step."""
+
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    adjust_lr_fn: str | None
+    normuon: tuple[float, float] | None
+    """NorMuon's (beta2, eps); None: plain Muon. Matrices with the same value batch together."""
+    layout: ExpertLayout | None
+    """How the group's stacked experts hold their matrices; None: a group of 2-D matrices."""
+
+    @classmethod
+    def of(cls, group: dict) -> GroupSettings:
+        check_group(group)  # the group may have been edited since the last step
+        normuon = (
+            (float(group["beta2"]), float(group["normuon_eps"])) if group["variant"] == "normuon" else None
+        )
+        return cls(
+            lr=to_float(group["lr"]),
+            weight_decay=float(group["weight_decay"]),
+            momentum=float(group["momentum"]),
+            nesterov=bool(group["nesterov"]),
+            adjust_lr_fn=group["adjust_lr_fn"],
+            normuon=normuon,
+            layout=ExpertLayout.of_group(group) if group["matrices_per_expert"] else None,
+        )
+
+
+@dataclass
+class UpdateScalars:
+    """One step's decay factors ``1 - lr * weight_decay`` (one per param group) and update scales
+    ``-adjust_lr(lr, adjust_lr_fn, (rows, cols))`` (one per group and shape) in one list, with the two
+    slots of each ``(group, rows, cols)`` in it. The layout follows the keys alone."""
+
+    values: list[float]
+    slots: dict[tuple[int, int, int], tuple[int, int]]
+    on_device: Tensor | None = None
+    """The values as a float32 tensor, where the update pass is compiled or replayed from a graph."""
+
+    @property
+    def passed(self) -> Tensor | list[float]:
+        """What the update pass reads: the device tensor where there is one, else the host numbers."""
+        return self.values if self.on_device is None else self.on_device
+
+    @classmethod
+    def of(cls, keys: Sequence[tuple[int, int, int]], groups: Sequence[GroupSettings]) -> UpdateScalars:
+        values: list[float] = []
+        slots: dict[tuple[int, int, int], tuple[int, int]] = {}
+        decay: dict[int, int] = {}
+        for key in keys:
+            gi, rows, cols = key
+            if key in slots:
+                continue
+            s = groups[gi]
+            if gi not in decay:
+                decay[gi] = len(values)
+                values.append(1 - s.lr * s.weight_decay)
+            slots[key] = (decay[gi], len(values))
+            values.append(-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+        return cls(values, slots)
+
+
+@dataclass
+class MuonStep:
+    """One Muon step: its settings, the optimizer's state it updates, and what it counts."""
+
+    state: dict
+    """The optimizer's per-parameter state (``momentum_buffer``; NorMuon: ``second_moment``)."""
+    groups: Sequence[GroupSettings]
+    newton_schulz: NewtonSchulz
+    ns_dtype: torch.dtype
+    """The dtype of the exchange buffers and of Newton–Schulz."""
+    passes: Passes
+    scalars: UpdateScalars
+    stats: dict[str, int]
+    """Muon's counters (``Muon.stats``), advanced as the step runs."""
+    sums: Sums | None = None
+    """This step's telemetry terms, while collecting."""
+    sample: object | None = None
+    """The plan item whose orthogonality residual telemetry reports (the first one orthogonalised)."""
+
+    def momentum_buffer(self, p: Tensor) -> Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+    def second_moment(self, p: Tensor, layout: ExpertLayout | None = None) -> Tensor:
+        """NorMuon's per-row EMA of the mean square of the Newton–Schulz result: fp32, one entry per row
+        of ``p`` (of each expert matrix of a stacked parameter of ``layout``), laid out like its rows."""
+        state = self.state[p]
+        if "second_moment" not in state:
+            state["second_moment"] = rows_like(p, layout)
+        return state["second_moment"]
+
+    def add(self, group, name: str, value: Tensor | None) -> None:
+        """A telemetry term, partial over ``group`` (none: this step does not collect)."""
+        if self.sums is not None:
+            self.sums.add(group, name, value)
+
+
+def rows_like(p: Tensor, layout: ExpertLayout | None = None) -> Tensor:
+    """fp32 zeros with one entry per row of ``p`` (``[E, k * out]`` for stacked experts of ``layout``),
+    laid out like its rows: a DTensor with ``p``'s mesh and placements (each rank holds its own rows'
+    entries) or a plain tensor. DCP saves and reshards it like the parameter."""
+    local = local_tensor(p)
+    if layout is None:
+        shape, stride, zeros = (
+            (p.shape[0],),
+            (1,),
+            torch.zeros(local.shape[0], dtype=torch.float32, device=local.device),
+        )
+    else:
+        rows = layout.matrices * layout.matrix_shape(p.shape)[0]
+        shape, stride = (p.shape[0], rows), (rows, 1)
+        zeros = torch.zeros(local.shape[0], rows, dtype=torch.float32, device=local.device)
+    if DTensor is None or not isinstance(p, DTensor):
+        return zeros
+    return DTensor.from_local(zeros, p.device_mesh, p.placements, shape=shape, stride=stride, run_check=False)
