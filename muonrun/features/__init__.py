@@ -34,7 +34,7 @@ from muonrun.features.protocol import ExportJob, Feature
 if TYPE_CHECKING:
     from muonrun.config import Config
 
-__all__ = ["REGISTRY", "ExportJob", "Feature", "enabled", "flops_per_token"]
+__all__ = ["REGISTRY", "ExportJob", "Feature", "enabled", "flops_per_token", "pretrained_name"]
 
 
 def _registry() -> dict[str, type[Feature]]:
@@ -66,3 +66,13 @@ def flops_per_token(features: list[Feature], fpt: float, model: nn.Module) -> fl
     for f in features:
         fpt = f.flops_per_token(fpt, model)
     return fpt
+
+
+def pretrained_name(features: list[Feature], name: str) -> str | None:
+    """A parameter's name in a pretrained model's weight files after every feature's say (None: not in
+    them, as LoRA's adapters are)."""
+    for feature in features:
+        name = feature.pretrained_name(name)
+        if name is None:
+            return None
+    return name

@@ -31,7 +31,7 @@ from muonrun.model.moe import (
 from muonrun.optim.groups import is_experts_module
 
 if TYPE_CHECKING:
-    from muonrun.features import Feature
+    from muonrun.features.protocol import Feature
 
 
 def build_hf_config(m: ModelConfig, vocab_size: int | None = None):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,9 +18,6 @@ import torch.distributed as dist
 from muonrun import log
 from muonrun.distributed import Dist
 from muonrun.errors import UserError
-
-if TYPE_CHECKING:
-    from muonrun.features import Feature
 
 
 def _hf_weight_files(name_or_path: str, d: Dist | None) -> dict[str, Path]:
@@ -51,19 +48,14 @@ def _hf_weight_files(name_or_path: str, d: Dist | None) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _pretrained_name(name: str, features: list[Feature]) -> str | None:
-    """A parameter's name in the weight files after every feature's say (None: not in them)."""
-    for feature in features:
-        name = feature.pretrained_name(name)
-        if name is None:
-            return None
-    return name
-
-
 @torch.no_grad()
-def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist, features: list[Feature] = ()) -> None:
+def load_pretrained(
+    lm: torch.nn.Module, name_or_path: str, d: Dist, pretrained_name: Callable[[str], str | None] = str
+) -> None:
     """Copy HF safetensors weights into a sharded model: each rank reads only the rows of its own
-    shard (safe_open + get_slice on the memory-mapped file), never a full copy of the model."""
+    shard (safe_open + get_slice on the memory-mapped file), never a full copy of the model.
+    ``pretrained_name``: a parameter's name in the weight files (None: not in them; the features'
+    say, ``features.pretrained_name``)."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
@@ -72,7 +64,7 @@ def load_pretrained(lm: torch.nn.Module, name_or_path: str, d: Dist, features: l
     files = _hf_weight_files(name_or_path, d)
     # Tied weights appear once, under the input embedding's name; a feature's own parameters (LoRA's
     # adapters) are not in the files, and it may hold a pretrained weight under another name.
-    named = ((_pretrained_name(n, features), p) for n, p in lm.named_parameters())
+    named = ((pretrained_name(n), p) for n, p in lm.named_parameters())
     params = [(n, p) for n, p in named if n is not None]
     missing = [n for n, _ in params if n not in files]
     if missing:

@@ -20,7 +20,7 @@ from muonrun.config import ParallelConfig
 from muonrun.model.build import decoder_layers
 
 if TYPE_CHECKING:
-    from muonrun.features import Feature
+    from muonrun.features.protocol import Feature
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

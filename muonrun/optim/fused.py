@@ -1,27 +1,17 @@
 """Muon's elementwise passes (momentum into the exchange buffer; decay and update, with NorMuon's row
 factors; the owner's Frobenius normalisation), fused by torch.compile on GPUs.
 
-Muon's step reads and writes every matrix several times outside Newton–Schulz: the momentum
-update, the Nesterov look-ahead, its cast into the bf16 exchange buffer, the weight decay and the
-scaled update. As separate foreach ops that is about 30 + 18 bytes per fp32 element; fused, each
-group is one pass (read the gradient and the buffer, write the buffer and the bf16 look-ahead: 14
-bytes; read the parameter and the update, write the parameter: 10). torch.compile's inductor fuses
-the foreach ops of a list into combined kernels, so the same Python runs eagerly or compiled.
-NorMuon's per-row factors ride in the decay-and-update pass (4 bytes per row), not in a pass of
-their own over the Newton–Schulz result (4 bytes per element).
+Unfused, the momentum update, Nesterov look-ahead, bf16 cast, weight decay and scaled update read and
+write every matrix several times (about 48 bytes per fp32 element); fused, each group is one pass
+(about 24). The same Python runs eagerly or compiled. NorMuon's per-row factors ride in the update
+pass instead of a pass of their own. The normalisation takes a stack as the leading ``rows * cols``
+elements of each row of a contiguous ``[k, slab]`` tensor (``leading``): inductor writes a mutated
+*strided* input through a temporary and a copy, a slice of a contiguous one in place.
 
-The owner's pass dividing each matrix by its norm broadcasts one number per matrix over bf16 data:
-eager PyTorch runs that on its generic strided kernel, at about a third of the memory bandwidth a
-compiled kernel reaches. It takes the stack as the leading ``rows * cols`` elements of each row of a
-contiguous ``[k, slab]`` tensor (``leading``), because NorMuon keeps its rows' state between the
-matrices: inductor writes a mutated *strided* input through a full-size temporary and a copy, but
-the slice of a contiguous one in place.
-
-``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket, so every
-bucket has its own cache: no recompilation as buckets differ, no recompile limit to hit); the
-learning-rate-dependent scalars travel as one device tensor (``step.UpdateScalars``), so a
-schedule that changes them every step compiles nothing new. Where compiling is not possible (a CPU,
-Muon's ``eager``, or a compile that fails) it runs the same ops eagerly and says so once.
+``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket: no
+recompiles as buckets differ); the learning-rate-dependent scalars travel as one device tensor, so a
+schedule compiles nothing new. Where compiling is not possible (a CPU, ``eager``, a compile that
+fails) the same ops run eagerly, said once.
 """
 
 from __future__ import annotations

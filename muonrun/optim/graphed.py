@@ -1,40 +1,21 @@
 """Muon's local work replayed from a CUDA graph: one launch where there were hundreds.
 
-A model small enough that the host cannot keep ahead of the GPU pays for every kernel launch in Muon's
-step, and Muon's step launches many: per bucket a momentum pass, a normalisation, five Newton–Schulz
-iterations of two or three products, NorMuon's row statistics, the update. On one H200 the optimizer
-study's 101M model spends about four times as long launching Muon's step as its kernels take
-(docs/performance.md). Captured once in a CUDA graph, the same kernels cost one launch.
+Muon's step launches many kernels per bucket (momentum, normalisation, every Newton–Schulz product,
+NorMuon's rows, the update); where the host cannot keep ahead of the GPU (small models) each launch
+costs step time (docs/performance.md). The graph holds, for the matrices a rank steps on its own
+(one-rank shard groups, stacked experts), everything after the momentum pass. Three things stay out:
 
-What the graph holds: for the matrices a rank steps on its own (shard groups of one rank, as on one
-GPU; stacked experts at any world size) everything after the momentum pass: the normalisation,
-Newton–Schulz, NorMuon's rows, and the decay and update. A graph replays fixed addresses with fixed
-kernel arguments, so three things stay outside it:
-
-- the momentum pass, because it reads the gradients, which FSDP2 allocates anew every step
-  (``zero_grad(set_to_none=True)``); it writes into buffers the graph owns (``buffers``: one per
-  bucket or expert chunk), where the graph's work begins;
+- the momentum pass, which reads the gradients FSDP2 allocates anew every step; it writes into the
+  graph's own ``buffers``, where the graph's work begins;
 - the step's learning-rate-dependent numbers (``step.UpdateScalars``), copied every step into the
   device tensor the graph reads (``scalars``);
-- matrices exchanged between ranks (``muonrun.optim.exchange``) and steps that collect telemetry:
-  they run eagerly, as without a graph.
+- matrices exchanged between ranks, and steps that collect telemetry: they run eagerly.
 
-The first ``warmup_steps`` steps run the graph's part eagerly on its capture stream, as
-``torch.cuda.graph`` asks (torch.compile's passes compile, quack builds its kernels, cuBLAS makes its
-workspace there); the next is captured and replayed, and every later step replays. ``Muon`` makes a
-new graph when the matrices with gradients change or a state dict is loaded. It makes graphs on GPUs
-only, and not when ``eager``; a test can have one made on a CPU (``Muon.graphs``), where nothing is
-captured: the same buffers and order run eagerly every step.
-
-Inside the graph the independent stacks run side by side on ``Lanes`` (``STREAMS`` CUDA streams):
-one stack's products leave much of the GPU idle where they end (the last wave of tiles, the small
-``m x m`` products of the Gram form, the start of the next dependent kernel), and another stack's
-kernels fill it (docs/performance.md). The kernels and their inputs are the ones a single stream runs,
-so the results are the same bit for bit.
-
-Cost: the buffers (two bytes per matrix element in bf16) and the graph's temporaries (the largest
-bucket's Newton–Schulz work space) stay allocated between steps, where without a graph the forward
-and backward reuse that memory.
+The first ``warmup_steps`` steps run eagerly on the capture stream (compiles and lazy set-up happen
+there); the next is captured, and every later step replays. Inside the graph independent stacks run
+side by side on ``Lanes`` (``STREAMS`` CUDA streams), with the same kernels and inputs as on one
+stream, so the same results bit for bit. Cost: the buffers and the graph's temporaries stay
+allocated between steps.
 """
 
 from __future__ import annotations

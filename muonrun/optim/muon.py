@@ -8,53 +8,38 @@ References
   weight decay and the ``match_rms_adamw`` lr scaling.
 - K. Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv:2504.13074 -- the all-to-all
   "owner computes" layout used here for sharded parameters.
-- Z. Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491 -- the
-  ``variant="normuon"`` per-row normalisation.
+- Z. Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491 -- ``variant="normuon"``.
 - The Gram form of Newton–Schulz and the lr scalings: ``muonrun.optim.newton_schulz``.
 
 What Muon may touch
 -------------------
-Only the *hidden* 2-D weight matrices of a network (the Linear weights inside the transformer
-blocks), and stacked expert weights. Embeddings, the LM head (tied or not), norm weights, biases and
-every other 1-D tensor must go to AdamW: see ``muonrun.optim.groups.split_params``. This module
-asserts that every parameter it is given is 2-D (or a declared stack of experts), but cannot tell an
-embedding from a hidden matrix by itself.
+Only the *hidden* 2-D weight matrices (the Linear weights inside the transformer blocks) and stacked
+expert weights. Embeddings, the LM head (tied or not), norms and biases go to AdamW
+(``muonrun.optim.groups.split_params`` decides by module and name). Muon asserts every parameter is
+2-D (or a declared stack of experts) but cannot tell an embedding from a hidden matrix by itself.
 
 Reference semantics
 -------------------
-With the same arguments and gradients, :class:`Muon` gives the parameters that
-``torch.optim.Muon`` gives (up to bf16 rounding of the Newton–Schulz products; with
-``ns_dtype=torch.float32``, torch's sequence in fp32)::
+With the same arguments and gradients, :class:`Muon` gives the parameters ``torch.optim.Muon`` gives
+(up to bf16 rounding of the Newton–Schulz products)::
 
     buf.lerp_(grad, 1 - momentum)                           # B = mu*B + (1-mu)*G
     u = grad.lerp(buf, momentum) if nesterov else buf       # Nesterov look-ahead
-    O = newton_schulz(u)                                    # in ns_dtype: bf16
+    O = newton_schulz(u)                                    # in bf16
     p.mul_(1 - lr * weight_decay)                           # decoupled weight decay
     p.add_(O, alpha=-adjust_lr(lr, adjust_lr_fn, p.shape))
 
-``variant="normuon"`` replaces ``O`` by NorMuon's ``normuon_normalize(O, v, beta2, normuon_eps)``:
-each row divided by the root of an EMA ``v`` of its mean square, the matrix rescaled to the Frobenius
-norm of an orthogonal one; the owner sends one fp32 factor per row back with the rows' ``v``, and each
-rank applies it inside the update pass.
+``variant="normuon"`` scales each row of ``O`` by NorMuon's factor (``normuon_row_scale``).
 
 How a step runs
 ---------------
-``Muon.step`` builds a ``step.MuonStep`` (the settings, the state and the counters of this step) and
-hands it to three paths:
-
-- matrices sharded over several ranks (FSDP2 / HSDP rows): each matrix's rows travel to one owner rank
-  (owners balanced by Newton–Schulz FLOPs), which orthogonalises the whole matrix, and back
-  (``sharding`` plans it, ``exchange`` runs it, ``buckets`` does each bucket's work);
-- a rank's own matrices (one GPU; stacked experts it holds, ``experts``): ``local``, their work after
-  the momentum pass replayed from a CUDA graph on GPUs (``graphed``);
-- the elementwise passes are compiled on GPUs (``fused``), Newton–Schulz's products run on quack's
-  symmetric GEMM on Hopper GPUs where it is installed (``ns_products``).
-
-``eager=True`` launches the GPU step kernel by kernel (no compiled passes, no CUDA graph): the same
-arithmetic up to rounding, for debugging. Optimizer state is one ``momentum_buffer`` per matrix with the
-parameter's type and placement, and for NorMuon a ``second_moment`` (fp32, one entry per row, laid out
-like the rows), present on every rank, so ``torch.distributed.checkpoint`` saves and reshards them.
-Step times against AdamW: docs/performance.md.
+``Muon.step`` builds a ``step.MuonStep`` (this step's settings, the state it updates, its counters)
+and hands it to the paths: matrices sharded over several ranks go to their owner rank and back
+(``sharding`` plans, ``exchange`` runs, ``buckets`` does each bucket's work); a rank's own matrices
+(one GPU; stacked experts, ``experts``) step in ``local``, replayed from a CUDA graph on GPUs
+(``graphed``); the elementwise passes compile on GPUs (``fused``). ``eager=True`` launches the GPU
+step kernel by kernel, for debugging. State: one ``momentum_buffer`` per matrix laid out like the
+parameter (NorMuon: a fp32 ``second_moment`` per row), on every rank, so DCP saves and reshards it.
 """
 
 from __future__ import annotations
@@ -96,33 +81,27 @@ class Muon(torch.optim.Optimizer):
     """Muon for hidden 2-D matrices: plain tensors, FSDP2 (Shard(0)) and HSDP DTensors, and stacked
     experts. ``muonrun pretrain`` builds it with these defaults (``optim.build``).
 
-    Arguments mirror ``torch.optim.Muon`` (same defaults, the same bf16 Newton–Schulz sequence; a
-    sequence of per-iteration triples is also accepted as ``ns_coefficients``, and ``adjust_lr_fn``
-    also takes ``"spectral"``, ``lr * sqrt(A/B)``). Extra, keyword-only:
+    Arguments mirror ``torch.optim.Muon`` (same defaults and bf16 sequence; ``ns_coefficients`` may
+    also be one triple per iteration; ``adjust_lr_fn`` also takes ``"spectral"``, ``lr * sqrt(A/B)``).
+    Extra, keyword-only:
 
-    - ``gram``: Newton–Schulz in its Gram form on matrices at least 1.5x wider than tall
-      (``NewtonSchulz``): about half the FLOPs on MLP matrices, the same training; off: torch's form;
-    - ``variant`` (per param group): ``"muon"``, or ``"normuon"`` (NorMuon) with ``beta2``, the EMA
-      coefficient of each row's second moment, and ``normuon_eps``, added to its root;
-    - ``newton_schulz``: the iteration itself (a ``NewtonSchulz``), instead of the one built from
-      ``ns_coefficients``, ``eps``, ``ns_steps`` and ``gram``: how a study tries another;
-    - ``ns_dtype``: ``torch.bfloat16`` or ``torch.float32`` for Newton–Schulz and the exchange; None:
-      ``newton_schulz.ns_dtype_for`` the parameters' device (bf16 on GPUs, fp32 on CPUs without bf16
-      matmuls, where those are several times slower);
-    - ``eager``: launch the GPU step kernel by kernel, for debugging (see the module docstring);
-    - ``bucket_numel``: elements (full matrices) per communication/Newton–Schulz bucket: bigger ones mean
-      fewer, larger collectives and batched matmuls, smaller ones earlier overlap and less transient
-      memory (about 4 bytes per element of a bucket on its owner).
+    - ``gram``: Newton–Schulz in its Gram form on matrices at least 1.5x wider than tall: about half
+      the FLOPs on MLP matrices, the same training (``NewtonSchulz``);
+    - ``variant`` (per group): ``"muon"`` or ``"normuon"``, with ``beta2`` (the EMA of each row's second
+      moment) and ``normuon_eps``;
+    - ``newton_schulz``: the iteration itself, instead of the one built from ``ns_coefficients``,
+      ``eps``, ``ns_steps`` and ``gram`` (how a study tries another);
+    - ``ns_dtype``: bf16 or fp32 for Newton–Schulz and the exchange (None: ``ns_dtype_for`` the device);
+    - ``eager``: launch the GPU step kernel by kernel, for debugging;
+    - ``bucket_numel``: full-matrix elements per communication/Newton–Schulz bucket (about 4 bytes per
+      element of transient memory on its owner).
 
-    The shard group of each parameter comes from its DTensor's device mesh; no process group is
-    passed. ``self.stats`` counts, on this rank, matrices orthogonalised (``"orthogonalized"``, of
-    which in the Gram form ``"gram"``) and all-to-all collectives issued (``"all_to_all"``).
-
-    Telemetry: with ``collect_telemetry = True`` every ``step()`` fills ``self.telemetry`` with 0-d
-    fp32 tensors on the parameters' device, global over the shard group (one ``all_reduce`` of three
-    numbers per step, no host synchronisation; read them late): ``update_rms``, the RMS of what the
-    step changed (weight decay included); ``momentum_norm``, the L2 norm of all the momentum buffers;
-    ``ortho_residual``, ``||O O^T - I||_F / sqrt(m)`` of the first matrix orthogonalised in the step.
+    Each parameter's shard group comes from its DTensor's mesh. ``self.stats`` counts matrices
+    orthogonalised (``"orthogonalized"``, ``"gram"``) and all-to-alls issued. With
+    ``collect_telemetry = True`` each step fills ``self.telemetry`` with 0-d device tensors, global
+    over the shard group (one small all-reduce, no host sync): ``update_rms`` (what the step changed,
+    decay included), ``momentum_norm``, ``ortho_residual`` (``||O O^T - I||_F / sqrt(m)`` of the first
+    matrix orthogonalised).
     """
 
     prefetch = 2

@@ -1,12 +1,6 @@
 """Newton–Schulz orthogonalisation and Muon's learning-rate scaling: pure functions of tensors, and
 ``NewtonSchulz``, the one description of the iteration that Muon runs and the dry run counts.
 
-``newton_schulz(G)`` approximates the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` (in bf16
-unless asked otherwise); ``NewtonSchulz`` is the same iteration as an object Muon takes (its
-coefficients, the Gram form where it pays, the products that evaluate it), with ``flops`` counting
-what ``__call__`` runs. ``normuon_row_scale`` is NorMuon's per-row normalisation of the result,
-``adjust_lr`` scales the learning rate by the matrix shape, ``orthogonality_residual`` measures a result.
-
 References
 ----------
 - K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (blog, 2024),
@@ -15,15 +9,14 @@ References
 - J. Liu et al. (Moonshot AI), "Muon is Scalable for LLM Training", arXiv:2502.16982 -- the
   ``match_rms_adamw`` lr scaling ``0.2 * sqrt(max(A, B))``.
 - K. Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv:2504.13074 -- the ``spectral``
-  lr scaling ``sqrt(A/B)``, and the iteration passed to the optimizer as a function.
+  lr scaling ``sqrt(A/B)``, and the iteration passed to the optimizer as an object.
 - Z. Li, L. Liu, C. Liang, W. Chen, T. Zhao, "NorMuon: Making Muon more efficient and scalable",
-  arXiv:2510.05491 -- the per-row second-moment normalisation (``normuon_normalize``).
-- J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
-  Algorithm for Muon" (blog, 2026), https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on
-  the Gram matrix ``X X^T``, stabilised by a restart (``gram=True``).
+  arXiv:2510.05491 -- the per-row second-moment normalisation (``normuon_row_scale``).
+- J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz" (blog, 2026),
+  https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on the Gram matrix ``X X^T``.
 
 A study of another iteration passes its own ``NewtonSchulz`` to Muon (other ``coefficients``, or a
-subclass overriding ``iterate``); ``benchmarks/README.md`` lists the scripts behind the current figures.
+subclass overriding ``iterate``).
 """
 
 from __future__ import annotations
@@ -177,7 +170,6 @@ def newton_schulz(
     coefficients: Coefficients | Sequence[Coefficients] = DEFAULT_NS_COEFFICIENTS,
     eps: float = DEFAULT_EPS,
     *,
-    fold_identity: bool = False,
     gram: bool = False,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
@@ -189,7 +181,6 @@ def newton_schulz(
     ``A = X X^T; B = b A + c A A; X = a X + B X`` on the wide orientation. A tall matrix (``rows >
     cols``) is not transposed in memory: the same iteration is written ``A = X^T X; X = a X + X B^T``,
     so every tensor stays contiguous and cuBLAS reads the transposes for free.
-    ``fold_identity=True`` evaluates ``a X + B X`` as ``(B + a I) X`` (see ``standard_iterations``);
     ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``).
     ``dtype=torch.float32`` runs the same sequence in fp32 (on CPUs without native bf16 matmuls it is
     several times faster: docs/performance.md). Returns a contiguous tensor of ``G``'s shape in ``dtype``.
@@ -199,7 +190,7 @@ def newton_schulz(
         raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
     X = G.to(dtype).reshape(-1, *G.shape[-2:])
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)  # never writes into G
-    return ns_iterations(X, per_step, gram=gram, fold_identity=fold_identity).reshape(G.shape)
+    return ns_iterations(X, per_step, gram=gram).reshape(G.shape)
 
 
 def ns_dtype_for(device_type: str) -> torch.dtype:
@@ -217,21 +208,22 @@ def ns_iterations(
     per_step: Sequence[Coefficients],
     *,
     gram: bool = False,
-    fold_identity: bool = False,
     fold_eps: float | None = None,
     out: Tensor | None = None,
     products: Products = TORCH_PRODUCTS,
 ) -> Tensor:
     """Newton–Schulz on a stack ``[k, rows, cols]``: with ``gram``, the Gram form where
     ``uses_gram_form`` (its split restart where ``uses_split_restart``); else the standard one. ``X`` is
-    normalised, or with ``fold_eps`` it is not and its Frobenius norm (at least ``fold_eps``) is read off
-    the first Gram product and folded into the first iteration. Returns a new tensor, or ``out``."""
+    normalised; with ``fold_eps`` it is not, and the Gram form reads its Frobenius norm (at least
+    ``fold_eps``) off its first product (the standard form divides first). Returns a new tensor, or ``out``."""
     if gram and uses_gram_form(X.shape, len(per_step)):
         split = uses_split_restart(X.shape, len(per_step))
         return gram_iterations(
             X, per_step, fold_eps=fold_eps, out=out, products=products, split_restart=split
         )
-    return standard_iterations(X, per_step, fold_identity, fold_eps=fold_eps, out=out, products=products)
+    if fold_eps is not None:
+        X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=fold_eps)
+    return standard_iterations(X, per_step, out=out, products=products)
 
 
 def _fold_norm_(A: Tensor, eps: float, ops: Products) -> Tensor:
@@ -250,48 +242,25 @@ def _fold_norm_(A: Tensor, eps: float, ops: Products) -> Tensor:
 def standard_iterations(
     X: Tensor,
     per_step: Sequence[Coefficients],
-    fold_identity: bool = False,
     *,
-    fold_eps: float | None = None,
     out: Tensor | None = None,
     products: Products = TORCH_PRODUCTS,
 ) -> Tensor:
-    """Newton–Schulz iterations on a stack (bf16 or fp32) ``[k, rows, cols]``.
-
-    ``fold_identity=False`` computes ``a X + B X`` with ``baddbmm(X, B, X, beta=a)`` like
-    torch.optim.Muon; ``fold_identity=True`` computes ``(B + a I) X``: ``a`` goes onto the small
-    Gram-sized matrix and no full-size copy is made. The results differ by where one bf16 rounding
-    happens, and are equally close to the exact polar factor.
-    ``fold_eps``: ``X`` is not normalised; its scale ``D`` comes from the first Gram product and the
-    first iteration computes ``(B' + a I) D X`` with ``A' = D A D``.
-    ``out``: where the last product writes (it may be ``X``'s own memory, then a copy is made).
-    """
+    """torch.optim.Muon's iterations on a normalised stack (bf16 or fp32) ``[k, rows, cols]``:
+    ``A = X X^T; B = b A + c A A; X = a X + B X`` (``baddbmm``), on ``X^T`` where ``X`` is tall.
+    ``out``: where the last product writes (it may be ``X``'s own memory, then a copy is made)."""
     tall = X.shape[-2] > X.shape[-1]
-    if not per_step:
-        if fold_eps is not None:
-            X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=fold_eps)
-        return _finish(X, out)
-    ops = products
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
-        A = ops.gram(X, tall)  # tall: the iteration on X^T
-        d = _fold_norm_(A, fold_eps, ops) if i == 0 and fold_eps is not None else None  # A' = D A D
-        B = ops.poly(A, b, c)
+        B = products.poly(products.gram(X, tall), b, c)
         dst = out if i == last and out is not None and not _overlaps(out, X) else None
-        if fold_identity or d is not None:
-            B.diagonal(dim1=-2, dim2=-1).add_(a)
-            if d is not None:
-                ops.scale(B, d)  # (B' + a I) D: the scale of X folded into the product
-            X = ops.apply(B, X, tall, dst)
-        else:
-            X = ops.apply_add(B, X, a, tall, dst)
+        X = products.apply_add(B, X, a, tall, dst)
     return _finish(X, out)
 
 
 def gram_iterations(
     X: Tensor,
     per_step: Sequence[Coefficients],
-    restart: int | None = GRAM_RESTART,
     *,
     fold_eps: float | None = None,
     out: Tensor | None = None,
@@ -306,7 +275,7 @@ def gram_iterations(
     they commute), but the n-sized products happen only at the start, at the restart (``X <- Q X``,
     ``R <- X X^T`` before iteration ``restart``, which stops bf16 rounding in R from compounding)
     and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5 iterations instead of 20 m^2 n + 10 m^3.
-    ``restart=None`` never restarts. ``fold_eps`` and ``out`` as in ``standard_iterations``: the first
+    ``fold_eps`` and ``out`` as in ``ns_iterations``: the first
     ``R`` gives the scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
 
     ``split_restart``: rebuild ``R`` at the restart from the first Gram matrix instead of from ``X``:
@@ -327,8 +296,9 @@ def gram_iterations(
         return ops.apply(Q, Y, tall, dst)
 
     if not per_step:
-        return standard_iterations(X, per_step, fold_eps=fold_eps, out=out)
-    split = split_restart and restart is not None and 0 < restart < len(per_step)
+        return ns_iterations(X, per_step, fold_eps=fold_eps, out=out)
+    restart = GRAM_RESTART
+    split = split_restart and restart < len(per_step)
     R, Q, Q_before = (ops.gram_fp32 if split else ops.gram)(X, tall), None, None
     d = _fold_norm_(R, fold_eps, ops) if fold_eps is not None else None  # R' = D R D
     if split:

@@ -1,18 +1,13 @@
 """The matrix products of one Newton–Schulz iteration, as an object the iterations call.
 
 ``newton_schulz.standard_iterations`` and ``gram_iterations`` compute every product through a
-``Products``, so a faster evaluation of some products (a kernel that writes only one triangle of a
-symmetric result) plugs in without touching the iteration itself. ``Products`` is torch's evaluation
-(cuBLAS/CPU ``bmm``): the results are bit for bit those of the iterations written with
-``torch.bmm``/``baddbmm`` directly. It also owns the iteration's small elementwise kernels (the folded
-norm's scale, the split restart's splits), compiled per shape on GPUs unless ``compiled`` is off.
-
-Every tensor is a stack ``[k, r, c]``. "Symmetric" inputs are symmetric in exact arithmetic (Gram
-matrices and polynomials in one Gram matrix, which also commute with each other); an implementation
-may read only one triangle of them and must return a full (both triangles), contiguous result.
-
-Muon uses torch's, or ``ns_quack.QuackProducts`` (quack's symmetric GEMM: the symmetric results at
-half their FLOPs) where ``ns_quack.default_products`` picks it: on Hopper GPUs with quack-kernels installed.
+``Products``, so a faster evaluation of some products plugs in without touching the iteration.
+``Products`` is torch's (``bmm``/``baddbmm``: bit for bit the iterations written with them); it also
+owns the iteration's small elementwise kernels (the folded norm's scale, the split restart's splits),
+compiled per shape on GPUs. Every tensor is a stack ``[k, r, c]``; "symmetric" inputs are symmetric
+in exact arithmetic (Gram matrices and polynomials in one, which commute): an implementation may read
+one triangle of them and must return a full, contiguous result. ``ns_quack.QuackProducts`` computes
+the symmetric results on quack's symmetric GEMM (Hopper GPUs with ``[quack]``: ``default_products``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """Newton–Schulz's symmetric products on quack's symmetric GEMM: half their FLOPs, cuBLAS's speed.
 
-Three of the four products of an iteration have symmetric results (``ns_products.Products``'
-``gram``, ``poly``, ``sym_mm``: the Gram matrix, the polynomial in it and, in the Gram form, the
-products of commuting polynomials). ``quack.gemm_interface.gemm_symmetric`` (Dao-AILab's
-quack-kernels, CuTe DSL; the kernel of the Gram Newton–Schulz blog post) computes
-``alpha * A B + beta * C`` for such a result on a triangular tile schedule: only the tiles on and
-above the diagonal are computed, and each one's epilogue also writes its transpose. Each entry is
-the same bf16-input, fp32-accumulated dot product as cuBLAS's, rounded once to bf16
-(the Gram and polynomial results equal cuBLAS's bit for bit at the presets' shapes). Of the other products, ``apply_add`` (the standard form's ``a X + B X``) runs on
-quack's plain GEMM with ``a X`` added in its epilogue, where cuBLAS's ``baddbmm`` first copies ``X``
-into its output; ``apply`` (``B X``) stays cuBLAS's, which quack's GEMM does not beat at these shapes.
+``quack.gemm_interface.gemm_symmetric`` (Dao-AILab's quack-kernels, CuTe DSL) computes ``alpha A B +
+beta C`` for a symmetric result on a triangular tile schedule: only tiles on and above the diagonal
+are computed, each epilogue also writing its transpose; each entry is the same bf16-input,
+fp32-accumulated dot product as cuBLAS's. It serves the Gram matrix, the polynomial in it and the
+Gram form's products of commuting polynomials; the standard form's ``a X + B X`` runs on quack's
+plain GEMM with ``a X`` in its epilogue; ``B X`` stays cuBLAS's. On Hopper each product runs on the
+tiles measured fastest for it (``hopper_tiles``). Why a library kernel: torch has no symmetric
+(syrk-like) product, and hand-written triangle kernels did not beat cuBLAS (docs/performance.md).
 
-On Hopper each product runs on the tile configuration measured fastest for it at the presets'
-shapes (``hopper_tiles``; benchmarks/bench_ns_quack_tiles.py, docs/performance.md [w3]) through
-quack's lower-level calls, which take the tiles; elsewhere through quack's interface, whose tiles
-are fixed per GPU family.
-
-Why a library kernel: torch has no symmetric (``syrk``-like) product, and neither hand-written
-Triton upper-triangle kernels nor cuBLAS on upper blocks beat
-cuBLAS's full product on an H200 (docs/performance.md, [w1]). On an H200 the GPU runs at its power
-cap, so the FLOPs this skips also give the model's own matmuls back clock ([v5]).
-
-``pip install 'muonrun[quack]'`` (quack-kernels, nvidia-cutlass-dsl); Muon takes it on Hopper GPUs
-(``default_products``). The first step compiles a few kernels (CuTe DSL JIT).
+``pip install 'muonrun[quack]'``; Muon takes it on Hopper GPUs (``default_products``). The first
+step compiles a few kernels (CuTe DSL JIT).
 """
 
 from __future__ import annotations

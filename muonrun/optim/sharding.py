@@ -1,38 +1,24 @@
 """Muon's exchange plan: which rank orthogonalises which matrix, and where each row travels.
 
 FSDP2 shards a parameter's dim 0 in the ``torch.chunk`` layout: ``c = ceil(rows / W)`` rows per rank
-of a shard group of W ranks, the last ranks fewer or none. Muon gives every matrix one owner rank,
-which receives every rank's rows (padded to ``c``), runs Newton–Schulz on the whole matrix and sends
-the rows back. The plan says, per bucket of matrices, who owns what and the offsets of each rank's
-rows in the send and receive buffers of the two ``all_to_all_single`` calls. It is built once per
-set of parameters with gradients, from shapes alone, so it is the same on every rank of a shard
-group (``verify_plan`` checks that). Owners are chosen to balance Newton–Schulz FLOPs per rank
-(``assign_owners``, on ``NewtonSchulz.flops``); ``owner_flops`` compares that with dealing each shape's
-matrices round-robin (the dry-run plan prints both).
+of a shard group of W ranks, the last ranks fewer or none. Every matrix is orthogonalised once per
+shard group, by one owner rank:
 
-The step, in full (FSDP2 / HSDP):
+1. momentum / Nesterov run elementwise on each rank's own rows;
+2. same-shaped matrices are grouped and packed into buckets ("megabatches"); every matrix gets an
+   owner so that the ranks' Newton–Schulz FLOPs are balanced (``assign_owners`` on
+   ``NewtonSchulz.flops``);
+3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (padded to ``c`` rows;
+   NorMuon: with the rows' fp32 ``v`` appended bit for bit) to j's owner;
+4. the owner reassembles its matrices and runs one batched Newton–Schulz per shape (NorMuon: then
+   its row factors, which need the whole matrix);
+5. a second ``all_to_all_single`` returns each rank its rows of the result, which it applies.
 
-FSDP2 parameters are DTensors sharded on dim 0 (``torch.chunk`` layout: ``c = ceil(rows/W)`` rows per
-rank, the last ranks may get fewer or none). Every matrix is orthogonalised exactly once per shard
-group:
-
-1. momentum / Nesterov run elementwise on each rank's local rows (``torch._foreach_*``);
-2. same-shaped matrices are grouped, groups are packed into buckets ("megabatches"), and every
-   matrix gets an owner rank so that the ranks' Newton–Schulz FLOPs are balanced
-   (``assign_owners``);
-3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (in ``ns_dtype``, padded
-   to ``c`` rows; NorMuon: with the rows' fp32 ``v`` appended bit for bit) to j's owner;
-4. the owner reassembles its matrices, strips the padding and runs Newton–Schulz batched
-   (``torch.baddbmm``) over all the matrices of one shape it owns (NorMuon: then normalises them,
-   which needs the whole matrix, and updates ``v``);
-5. a second ``all_to_all_single`` returns each rank its rows of the result (and of ``v``), which it
-   applies (weight decay + scaled update) to its local shard.
-
-The collectives are asynchronous and pipelined: while bucket ``b`` is being orthogonalised, the
-exchange for bucket ``b + 1`` is in flight. Traffic is about two ``ns_dtype`` copies of a rank's
-shard. On an HSDP mesh ``(dp_replicate, dp_shard)`` the exchange runs over the ``Shard(0)`` mesh
-dimension (gradients are already averaged over the replicate one). Any other placement (e.g. a
-tensor-parallel ``Shard(1)``, ``Partial``) is rejected with a ``ValueError``.
+The plan holds, per bucket, the owners and the offsets of each rank's rows in the two buffers. It is
+built from shapes alone, once per set of parameters with gradients, so every rank of a shard group
+builds the same one (``verify_plan`` checks). On an HSDP mesh ``(dp_replicate, dp_shard)`` the
+exchange runs over the ``Shard(0)`` dimension (gradients are already averaged over the other); any
+other placement (a tensor-parallel ``Shard(1)``, ``Partial``) is refused with a ``ValueError``.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGStat
 from muonrun.config import Config, to_yaml
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
-from muonrun.features import enabled, flops_per_token
+from muonrun.features import enabled, flops_per_token, pretrained_name
 from muonrun.model.build import CausalLMWithLoss, architecture_of, build_hf_config, build_model, init_weights
 from muonrun.model.build import flops_per_token as model_flops_per_token
 from muonrun.model.hf import load_pretrained
@@ -144,11 +145,16 @@ class Trainer:
             config_yaml=config_yaml,
             architecture=architecture_of(self.hf_config),
         )
+
+        def load_base() -> None:
+            rename = partial(pretrained_name, self.features)
+            load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist, rename)
+
         try:
             if frozen:
-                load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist, self.features)
+                load_base()
             if self.checkpointer.load() is None and cfg.model.init == "pretrained" and not frozen:
-                load_pretrained(self.model.lm, cfg.model.name_or_path, self.dist, self.features)
+                load_base()
         except BaseException:
             self.checkpointer.close()  # gives the signal handlers back: no Trainer exists to close it
             raise

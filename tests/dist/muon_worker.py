@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from muonrun.distributed import destroy, release_process_groups
 from muonrun.optim import DEFAULT_NS_COEFFICIENTS, AdamW, Muon, NewtonSchulz, adjust_lr, newton_schulz
-from muonrun.optim.newton_schulz import ns_iterations, orthogonality_residual
+from muonrun.optim.newton_schulz import orthogonality_residual
 from muonrun.optim.sharding import owner_flops
 from muonrun.train.clip import clip_grad_norm
 
@@ -55,21 +55,23 @@ T0 = time.perf_counter()
 
 
 class FoldedNewtonSchulz(NewtonSchulz):
-    """Newton–Schulz evaluated as ``(B + a I) X`` (``fold_identity``): no full-size copy per iteration,
-    different bf16 rounding from torch's ``a X + B X``. Not Muon's (which runs torch's sequence); the
-    tests check that a study's own iteration passed as ``newton_schulz`` steps through the whole
-    optimizer, sharded or not, as on one device."""
+    """A study's own iteration, passed to Muon as ``newton_schulz``: the standard form evaluated as
+    ``(B + a I) X`` (no full-size copy per iteration, other bf16 rounding than torch's ``a X + B X``);
+    the Gram form as Muon's. The tests check that it steps through the whole optimizer, sharded or
+    not, as on one device."""
 
     def iterate(self, X, fold_eps=None, out=None):
-        return ns_iterations(
-            X,
-            self.coefficients,
-            gram=self.gram,
-            fold_identity=True,
-            fold_eps=fold_eps,
-            out=out,
-            products=self.products,
-        )
+        if self.uses_gram(X.shape):
+            return super().iterate(X, fold_eps, out)
+        if fold_eps is not None:
+            X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=fold_eps)
+        tall = X.shape[-2] > X.shape[-1]
+        for a, b, c in self.coefficients:
+            A = X.mT @ X if tall else X @ X.mT
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            B.diagonal(dim1=-2, dim2=-1).add_(a)
+            X = X @ B.mT if tall else B @ X
+        return X.contiguous() if out is None else out.copy_(X)
 
 
 class DividesFirst:
