@@ -22,8 +22,7 @@ from muonrun.features.qkclip import causal_max_logit, causal_max_logit_matmul
 
 
 def timed(fn, repeats: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of `fn` on the GPU (CUDA events around each call), after `warmup` calls.
-    benchmarks/bench_ns_levers.py times with it too."""
+    """Median milliseconds of `fn` on the GPU (CUDA events around each call), after `warmup` calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

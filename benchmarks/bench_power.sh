@@ -5,7 +5,7 @@
 # at its power cap (throttle reason 0x4, SW power cap) and what Muon's products cost the rest of the step.
 #   bash benchmarks/bench_power.sh OUT_DIR CONFIG [OVERRIDES] [--warmup N] --variant ... [bench options]
 # The bench writes OUT_DIR/bench.json and a folder per run; OUT_DIR/smi.csv keeps the samples.
-# docs/performance.md: [u6], [u7], [u8] directly; [v4], [v5] through bench_ns_energy.sh.
+# docs/performance.md: rows S1 and S2.
 set -uo pipefail
 out=${1:?usage: bench_power.sh OUT_DIR CONFIG [bench arguments]}
 shift

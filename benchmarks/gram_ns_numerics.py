@@ -1,5 +1,5 @@
 """Is the Gram form as close to the polar factor as torch's iteration, in bf16? The CPU numerics check behind
-`optimizer.muon.gram_ns` (docs/performance.md, "Distance to the polar factor").
+`optimizer.muon.gram_ns` (docs/performance.md, row N1).
 
 For each hidden-matrix shape of the 0.5B and 1.5B presets, on two spectra (singular values 1/i, like a
 gradient's, and the flatter 1/sqrt(i)) with random singular vectors, mean of two draws:
