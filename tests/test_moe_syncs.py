@@ -6,13 +6,18 @@ break the compiled graph of every MoE layer; the mask-free attention for Qwen2-M
 
 from __future__ import annotations
 
+import inspect
 import traceback
+from pathlib import Path
 
 import torch
+import torch.optim
+import transformers
 from helpers import TINY_MOE
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
+import muonrun
 from muonrun.config import ModelConfig, load_config
 from muonrun.features.router_bias import attach
 from muonrun.model.attention import ATTENTION_NAME
@@ -39,14 +44,23 @@ WAITS = {
     aten.lift_fresh.default,
     aten.lift_fresh_copy.default,
 }
+# The code whose frames the recorder keeps, by the folders its packages were imported from (never by
+# a name in the path: a checkout is often itself a folder named muonrun, and holds this file).
+MUONRUN = Path(muonrun.__file__).resolve().parent
+TORCH_OPTIM = Path(torch.optim.__file__).resolve().parent
+WATCHED = (MUONRUN, Path(transformers.__file__).resolve().parent, TORCH_OPTIM)
 # Necessarily on the host, and documented:
 EXPECTED = (
     # the batch: token ids made on the host, copied to the device from pinned memory without waiting
-    "muonrun/data/",
+    MUONRUN / "data",
     # torch's AdamW on the CPU keeps its step count on the host (on a GPU muonrun runs the fused AdamW,
     # whose step count is a device tensor; tests/test_model.py checks the GPU step in sync-debug mode)
-    "torch/optim/",
+    TORCH_OPTIM,
 )
+
+
+def under(filename: str, folders) -> bool:
+    return any(Path(filename).resolve().is_relative_to(f) for f in folders)
 
 
 class HostWaits(TorchDispatchMode):
@@ -65,13 +79,7 @@ class HostWaits(TorchDispatchMode):
         if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor):
             waits = kwargs.get("output_size") is None
         if waits:
-            frames = [
-                f"{f.filename}:{f.lineno}"
-                for f in traceback.extract_stack()
-                if "/muonrun/" in f.filename
-                or "/transformers/" in f.filename
-                or "/torch/optim/" in f.filename
-            ]
+            frames = [f for f in traceback.extract_stack() if under(f.filename, WATCHED)]
             self.found.append((str(func), frames[-4:]))
         return func(*args, **kwargs)
 
@@ -121,7 +129,7 @@ def test_a_tiny_moe_training_step_never_waits_for_the_device_on_unlogged_or_logg
             found[step] = [
                 (op, frames)
                 for op, frames in recorder.found
-                if not any(place in frames[-1] for place in EXPECTED)
+                if not frames or not under(frames[-1].filename, EXPECTED)
             ]
             assert recorder.found, "the recorder sees the batch being made on the host"
         assert telemetry and "expert_load_max_mean" in telemetry and "routed_load_max_mean" in telemetry
@@ -129,6 +137,14 @@ def test_a_tiny_moe_training_step_never_waits_for_the_device_on_unlogged_or_logg
         trainer.close()
         destroy()
     assert not found[3] and not found[4], found
+
+
+def test_the_recorder_keeps_frames_of_the_watched_packages_and_never_of_this_test_file():
+    # a clone of the repository is a folder named muonrun: the test's own frames must not pass as muonrun's
+    assert not under(__file__, WATCHED)
+    assert under(str(MUONRUN / "data" / "loader.py"), EXPECTED)
+    assert under(inspect.getfile(torch.optim.AdamW), WATCHED) and under(transformers.__file__, WATCHED)
+    assert not under(str(MUONRUN / "train" / "trainer.py"), EXPECTED)
 
 
 def moe(**extra) -> CausalLMWithLoss:
