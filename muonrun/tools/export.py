@@ -141,12 +141,40 @@ def export_hf(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         _export(checkpoint, staging, dtype, adapter_only, shown_as or out)
+        with_user_modes(staging)
         if out.exists():
             out.rmdir()  # empty (checked above)
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (another thread may be creating
+    files), else set and restored."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def with_user_modes(folder: Path) -> None:
+    """Every file and folder under ``folder`` gets the mode the user's umask gives a new one (0644 and
+    0755 under umask 022), as everything else muonrun writes: safetensors writes its files through a
+    private temporary file (0600), which teammates on a shared cluster could not read."""
+    mask = current_umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def as_trained(hf_config, checkpoint: Path):
