@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ from muonrun.checkpoint.stop import StopFlag
 from muonrun.config import CheckpointConfig
 from muonrun.distributed import Dist
 from muonrun.errors import UserError
+from muonrun.paths import remove_own
 
 # Threads writing each rank's share (DCP's FileSystemWriter: one file per thread). DCP's default of one
 # leaves a fast disk idle; four reach a local NVMe disk's fsynced write speed, more do not help
@@ -185,7 +185,7 @@ class Checkpointer:
         self._finish_pending()
         final, tmp = self.root / f"step-{step}", self.root / f"step-{step}.tmp"
         if self.dist.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_own(tmp)
             tmp.mkdir(parents=True)
             if self.config_yaml is not None:
                 write_synced(tmp / CONFIG, self.config_yaml.encode())
@@ -287,18 +287,18 @@ class Checkpointer:
             if final.exists():  # a rerun from an earlier checkpoint reaches this step again
                 if final in self._damaged:
                     aside = final.with_name(f"{final.name}.damaged")
-                    shutil.rmtree(aside, ignore_errors=True)
+                    remove_own(aside)
                     final.rename(aside)
                     self._damaged.discard(final)
                     log.warning(f"the damaged {final} was set aside as {aside.name} (not deleted)")
                 else:
                     replaced = final.with_name(f"{final.name}.replaced")
-                    shutil.rmtree(replaced, ignore_errors=True)
+                    remove_own(replaced)
                     final.rename(replaced)
             tmp.rename(final)  # the publish: atomic on POSIX filesystems, Lustre, GPFS and NFS
             fsync_dir(self.root)
             if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
+                remove_own(replaced)
             prune(self.root, self.cfg.keep_last, self._damaged)
             how = "written and hashed in the background" if background else f"written in {seconds:.1f}s"
             log.info(f"checkpoint {final} saved ({how}; checksums {hash_seconds:.1f}s)")
@@ -327,8 +327,8 @@ class Checkpointer:
         result: list = []
         if self.dist.is_main:
             for junk in self.root.glob("step-*.*") if self.root.is_dir() else []:
-                if junk.is_dir() and junk.suffix in (".tmp", ".deleting", ".replaced"):
-                    shutil.rmtree(junk, ignore_errors=True)  # leftovers of an interrupted save or prune
+                if junk.suffix in (".tmp", ".deleting", ".replaced"):
+                    remove_own(junk)  # leftovers of an interrupted save or prune (a link: itself only)
             try:
                 result = load_order(ck.resume_from, ck.init_from, self.root)
             except UserError as e:  # raised on every rank below, not on rank 0 alone

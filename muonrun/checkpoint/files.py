@@ -18,13 +18,13 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from muonrun.errors import UserError
+from muonrun.paths import open_own, refuse_not_own, remove_own
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "muonrun.json"
@@ -231,7 +231,7 @@ def prune(root: Path, keep_last: int, damaged: Iterable[Path] = ()) -> list[Path
         if step_of(old) < oldest_kept:
             doomed = old.with_name(f"{old.name}.deleting")  # never a half-deleted step-N folder
             old.rename(doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            remove_own(doomed)  # a step-N that is a link: the link goes, never what it points to
             deleted.append(old)
     return deleted
 
@@ -248,8 +248,14 @@ def write_run_config(output_dir: Path, text: str) -> None:
     """OUTPUT_DIR/config.yaml: the config of the training that runs in the folder, written (atomically) by
     rank 0 once its checkpoint is loaded, so a command refused before that leaves the file as it was."""
     output_dir.mkdir(parents=True, exist_ok=True)
+    refuse_not_own(output_dir / CONFIG, "file", "the run's config")  # a link there: refused, not replaced
     tmp = output_dir / f".{CONFIG}.tmp"
-    write_synced(tmp, text.encode())
+    remove_own(tmp)  # a leftover, or a link someone left there: never written through
+    fd = open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "the run's config, being written")
+    with os.fdopen(fd, "wb") as f:
+        f.write(text.encode())
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(output_dir / CONFIG)
 
 

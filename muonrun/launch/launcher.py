@@ -14,7 +14,6 @@ import contextlib
 import errno
 import gc
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +24,10 @@ from muonrun.config import CheckpointConfig, Config, to_yaml
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 from muonrun.launch.lock import RunLock
+from muonrun.launch.run_folder import CONTROL_DIR, check_output_dir
 from muonrun.launch.supervise import Supervisor, WorkersReported, quiet_leak_warnings
 from muonrun.launch.worker import CONTROL_ENV, NON_FINITE_EXIT, REPORTS, USER_ERROR_EXIT, worker_entry
-
-CONTROL_DIR = ".muonrun"  # in output_dir: one control folder per node while a launch runs
+from muonrun.paths import own_folder, remove_own
 
 
 @dataclass
@@ -140,7 +139,6 @@ def check_fault_spec() -> None:
 
 def launch(cfg: Config) -> int:
     """Run the job described by a validated config; returns the process exit code."""
-    from muonrun.checkpoint import check_run_folder
     from muonrun.checkpoint.resume import load_order
     from muonrun.data import check_data
     from muonrun.distributed import check_device, pick_device_type
@@ -165,7 +163,7 @@ def launch(cfg: Config) -> int:
         split_params(model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns)
     config_yaml = to_yaml(cfg)
     out = Path(cfg.output_dir)
-    check_run_folder(out)  # before anything is created there
+    check_output_dir(out, cfg.name, plan.node_rank)  # before anything is created there
     # a resume_from / init_from that names no checkpoint: refused here, not by every worker after spawn
     load_order(cfg.checkpoint.resume_from, cfg.checkpoint.init_from, out / "checkpoints")
     run_lock = claim_output_dir(out, plan.node_rank)  # before anything in output_dir is touched
@@ -218,14 +216,15 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path, checkpoint: C
     endpoint = plan.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     # This node's control folder: worker registrations and reports, torch's per-worker error files.
     # Inside the run folder (nothing of a launch is left elsewhere), removed when the launch ends.
-    control = output_dir / CONTROL_DIR / f"node-{plan.node_rank}"
+    # Never through a link (muonrun/paths.py): the clean-up below would delete what it points to.
+    control = own_folder(output_dir / CONTROL_DIR, "the launch's control folder") / f"node-{plan.node_rank}"
     stale = [control]
     if plan.node_rank == 0:  # and those of nodes a killed launch with more nodes left
         numbered = [(p, p.name.removeprefix("node-")) for p in (output_dir / CONTROL_DIR).glob("node-*")]
         stale += [p for p, n in numbered if n.isdigit() and int(n) >= plan.nnodes]
     for folder in stale:
-        shutil.rmtree(folder, ignore_errors=True)
-    control.mkdir(parents=True)
+        remove_own(folder)
+    control.mkdir()
     lc = LaunchConfig(
         min_nodes=plan.nnodes,
         max_nodes=plan.nnodes,
@@ -288,7 +287,7 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path, checkpoint: C
     finally:
         tempfile.tempdir = tmp
         os.environ.pop(CONTROL_ENV, None)
-        shutil.rmtree(control, ignore_errors=True)
+        remove_own(control)
         with contextlib.suppress(OSError):
             control.parent.rmdir()  # when no other node's folder is left in it
     # An exception that stopped the agent kept it, and the queues and semaphores of the workers it

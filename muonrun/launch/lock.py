@@ -28,6 +28,7 @@ from pathlib import Path
 
 from muonrun import log
 from muonrun.errors import UserError
+from muonrun.paths import open_own
 
 LOCK_FILE = ".muonrun.lock"
 
@@ -92,11 +93,18 @@ class RunLock:
         if self._fd is not None:
             return self
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_own(self.path, os.O_RDWR | os.O_CREAT, "the run folder's lock")
         except OSError as e:
+            if not os.access(self.path.parent, os.W_OK | os.X_OK) and not os.path.lexists(self.path):
+                raise UserError(
+                    f"output_dir '{self.path.parent}' cannot be written ({e.strerror or type(e).__name__}); "
+                    "set output_dir to a folder you can write, on a filesystem every node shares."
+                ) from None
             raise UserError(
-                f"output_dir '{self.path.parent}' cannot be written ({e.strerror or type(e).__name__}); set "
-                "output_dir to a folder you can write, on a filesystem every node shares."
+                f"The run folder's lock file '{self.path}' cannot be opened for writing "
+                f"({e.strerror or type(e).__name__}): muonrun writes its holder into it. Make it writable "
+                "(chmod u+w; `lsattr` shows an immutable flag, `chattr -i` clears it) or delete it (muonrun "
+                "creates it again)."
             ) from None
         try:
             self._take(fd)

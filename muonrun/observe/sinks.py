@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from muonrun import log
 from muonrun.config import Config
 from muonrun.errors import UserError
+from muonrun.paths import open_own, refuse_not_own
 
 
 def _numbers(row: dict) -> dict[str, float]:
@@ -42,10 +44,12 @@ def _tags(row: dict) -> dict[str, float]:
 
 
 class JsonlSink:
-    """OUTPUT_DIR/metrics.jsonl: one JSON object per line, appended (a resumed run continues the file)."""
+    """OUTPUT_DIR/metrics.jsonl: one JSON object per line, appended (a resumed run continues the file);
+    never through a symbolic link (muonrun/paths.py)."""
 
     def __init__(self, path: Path):
-        self.file = open(path, "a")  # noqa: SIM115 - open for the whole run
+        fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "the run's metrics")
+        self.file = os.fdopen(fd, "a")
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -87,8 +91,12 @@ class WandbSink:
         from omegaconf import OmegaConf
 
         id_file = out / "wandb_id"
+        refuse_not_own(id_file, "file", "the run's Weights & Biases id")
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-        id_file.write_text(run_id)
+        with os.fdopen(
+            open_own(id_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "the run's W&B id"), "w"
+        ) as f:
+            f.write(run_id)
         self.run = wandb.init(
             project=cfg.logging.wandb_project,
             entity=cfg.logging.wandb_entity,
