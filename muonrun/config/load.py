@@ -238,6 +238,11 @@ def _parse_value(key: str, text: str) -> Any:
 
 def _apply_override(cfg: DictConfig, key: str, text: str, add: bool) -> DictConfig:
     source = f"override '{key}={text}'"
+    if "\n" in text and isinstance(folded := _parse_value(key, text), str):
+        raise UserError(
+            f"Override '{key}' has a line break in its value, which YAML folds into a space ({folded!r}); "
+            "give the value on one line."
+        )
     parts = key.split(".")
     for i in range(len(parts) - 1):
         node = OmegaConf.select(cfg, ".".join(parts[: i + 1]))

@@ -244,7 +244,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 42
-    """Seed for weights, data order and dropout."""
+    """Seed for weights, data order and dropout: 0 to 2**32 - 1 (numpy's seeds are unsigned; the
+    per-weight seeds derived from it must fit torch's 64 bits)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """`auto` (cuda when available, else cpu), `cuda` or `cpu`."""
     eval_interval: int = 0
@@ -299,6 +300,8 @@ class TrainConfig:
                 "train.loss_chunk_tokens": self.loss_chunk_tokens,
             }
         )
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"Config key 'train.seed' is {self.seed}; it must be in 0 .. 2**32 - 1 ({2**32 - 1}).")
         if self.router_aux_loss_coef is not None:
             not_negative(**{"train.router_aux_loss_coef": self.router_aux_loss_coef})
         not_negative(
