@@ -301,7 +301,7 @@ class TrainConfig:
             }
         )
         if not 0 <= self.seed < 2**32:
-            raise UserError(f"Config key 'train.seed' is {self.seed}; it must be in 0 .. 2**32 - 1 ({2**32 - 1}).")
+            raise UserError(f"Config key 'train.seed' is {self.seed}; it must be in 0 .. 2**32 - 1.")
         if self.router_aux_loss_coef is not None:
             not_negative(**{"train.router_aux_loss_coef": self.router_aux_loss_coef})
         not_negative(
