@@ -165,7 +165,9 @@ def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path, monkeypatch):
 def test_a_seed_out_of_range_a_name_too_long_and_a_line_break_exit_2_before_any_worker_starts(tmp_path):
     run = tmp_path / "run"
     for seed in ("-1", str(2**70)):
-        refused(run, f"Config key 'train.seed' is {seed}; it must be in 0 .. 2**32 - 1", f"train.seed={seed}")
+        refused(
+            run, f"Config key 'train.seed' is {seed}; it must be in 0 .. 2**32 - 1.", f"train.seed={seed}"
+        )
     code, text = pretrain(tmp_path / "runs" / "${name}", "name=" + "n" * 300)
     assert code == 2 and "Config key 'name' makes the folder name 'nnn" in text, text
     assert "300 bytes long, but this filesystem allows at most 255 per name" in text
