@@ -201,12 +201,15 @@ def compare(
         float, typer.Option(help="EMA smoothing of the loss per logged row, in [0, 1); 0 plots the raw loss.")
     ] = 0.6,
     title: Annotated[str | None, typer.Option(help="Figure title (default: the runs' labels).")] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace FILE.png and FILE.md even if compare did not write them.")
+    ] = False,
 ) -> None:
     """Plot runs' loss vs step, tokens and wall time, and print a table: final and best eval loss, tokens/s,
     MFU, and the steps/tokens each run needed to reach the worse run's final loss."""
     from muonrun.tools.compare import compare as compare_runs
 
-    compare_runs(run_dirs, out, smoothing=smoothing, title=title)  # prints where it wrote
+    compare_runs(run_dirs, out, smoothing=smoothing, title=title, force=force)  # prints where it wrote
 
 
 @app.command()

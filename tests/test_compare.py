@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from muonrun.cli import app
 from muonrun.errors import UserError
 from muonrun.tools.compare import (
+    MARK,
     compare,
     ema,
     folder_suffixes,
@@ -203,7 +204,7 @@ def test_compare_writes_png_and_markdown(two_runs, tmp_path, capsys):
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1800, 552) and len(data) > 20_000
     md = (tmp_path / "fig" / "cmp.md").read_text()
-    assert md == markdown_table(rows, 2.2, 0.0)
+    assert md == markdown_table(rows, 2.2, 0.0) + MARK  # marked as compare's own, which a rerun replaces
     printed = capsys.readouterr().out
     assert "a-adamw" in printed and "b-muon" in printed and "1.33x" in printed
     assert f"Wrote {out} (the plot)\n" in printed
@@ -213,6 +214,32 @@ def test_compare_writes_png_and_markdown(two_runs, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"Wrote {out} (the plot, replacing the earlier file)\n" in printed
     assert f"Wrote {out.with_suffix('.md')} (the table as Markdown, replacing the earlier file)\n" in printed
+
+
+def test_compare_never_replaces_a_file_it_did_not_write_unless_forced(two_runs, tmp_path):
+    notes, elsewhere = tmp_path / "notes.md", tmp_path / "elsewhere.png"
+    notes.write_text("my notes\n")
+    elsewhere.write_bytes(b"not a plot")
+    (tmp_path / "plot.png").symlink_to(elsewhere)
+    for out, foreign in ((tmp_path / "notes.png", notes), (tmp_path / "plot.png", tmp_path / "plot.png")):
+        result = CliRunner().invoke(app, ["compare", *map(str, two_runs), "--out", str(out)])
+        text = " ".join(result.output.split())
+        assert (
+            result.exit_code == 2
+            and f"would replace '{foreign}', which `muonrun compare` did not write" in text
+        )
+        assert "--force" in text and not out.with_suffix(".md" if out.name == "plot.png" else ".png").exists()
+    assert notes.read_text() == "my notes\n" and elsewhere.read_bytes() == b"not a plot"
+    result = CliRunner().invoke(
+        app, ["compare", *map(str, two_runs), "--out", str(tmp_path / "plot.png"), "--force"]
+    )
+    assert (
+        result.exit_code == 0 and elsewhere.read_bytes() == b"not a plot"
+    )  # the link replaced, not followed
+    assert not (tmp_path / "plot.png").is_symlink()
+    compare(list(two_runs), tmp_path / "notes.png", force=True)
+    assert notes.read_text().startswith("| |")
+    compare(list(two_runs), tmp_path / "notes.png")  # its own files now: replaced without --force
 
 
 def test_cli_compare(two_runs, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ rescaled, each optimizer's median update RMS.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,14 +376,54 @@ def plot(runs: list[Run], out: Path, smoothing: float, target: float, title: str
     axes[0].legend(handles, labels, fontsize=9)
     fig.suptitle(title or "muonrun compare: " + " vs ".join(run.label for run in runs))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, metadata={"Software": WRITER})
+
+
+WRITER = "muonrun compare"
+"""How compare marks the files it writes: the PNG's `Software` text chunk, the Markdown's last line."""
+MARK = f"<!-- written by {WRITER} -->\n"
+
+
+def _png_software(path: Path) -> str | None:
+    """A PNG's `Software` text chunk (read from the chunks before the image data), or None."""
+    with open(path, "rb") as f:
+        data = f.read(1 << 16)
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return None
+    pos = 8
+    while pos + 8 <= len(data):
+        length, kind = int.from_bytes(data[pos : pos + 4], "big"), data[pos + 4 : pos + 8]
+        if kind == b"IDAT":
+            return None
+        if kind == b"tEXt":
+            key, _, value = data[pos + 8 : pos + 8 + length].partition(b"\0")
+            if key == b"Software":
+                return value.decode("latin-1")
+        pos += 12 + length
+    return None
+
+
+def written_by_compare(path: Path) -> bool:
+    """Whether `path` (the plot or its table) is a file an earlier `muonrun compare` wrote."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".png":
+        return _png_software(path) == WRITER
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - len(MARK)))
+        return f.read() == MARK.encode()
 
 
 def compare(
-    run_dirs: list[str | Path], out: str | Path, smoothing: float = 0.6, title: str | None = None
+    run_dirs: list[str | Path],
+    out: str | Path,
+    smoothing: float = 0.6,
+    title: str | None = None,
+    force: bool = False,
 ) -> list[dict]:
     """Load, summarize, plot to `out` (PNG), write `out` with .md, print the table and where both files
-    went (absolute paths: `out` may be the CLI's default in the current folder); returns the table rows."""
+    went (absolute paths: `out` may be the CLI's default in the current folder); returns the table rows.
+    A file there that an earlier compare did not write is refused, not replaced, unless `force`."""
     if not run_dirs:
         raise UserError("Give at least one run folder to compare.")
     if not 0.0 <= smoothing < 1.0:
@@ -393,6 +434,17 @@ def compare(
     problem = unwritable(out, "file")
     if problem:
         raise UserError(f"--out '{out}' cannot be written: {problem}. Give a file in a folder you can write.")
+    md = out.with_suffix(".md")
+    foreign = [f for f in (out, md) if os.path.lexists(f) and not written_by_compare(f)]
+    folders = [f for f in foreign if f.is_dir() and not f.is_symlink()]
+    if folders:
+        raise UserError(f"--out '{out}': '{folders[0]}' is a folder; give another --out.")
+    if foreign and not force:
+        raise UserError(
+            f"--out '{out}' would replace {' and '.join(repr(str(f)) for f in foreign)}, which `muonrun compare` "
+            "did not write (it writes the plot and the table beside it, FILE.md). Give another --out, or pass "
+            "--force to replace them."
+        )
     seen: dict[Path, str | Path] = {}
     for path in run_dirs:
         if (resolved := Path(path).resolve()) in seen:
@@ -403,10 +455,11 @@ def compare(
     runs = [load_run(path) for path in run_dirs]
     tell_apart(runs)
     rows, target = summarize(runs, smoothing)
-    md = out.with_suffix(".md")
-    replaced = [f for f in (out, md) if f.exists()]
+    replaced = [f for f in (out, md) if os.path.lexists(f)]
+    for f in foreign:
+        f.unlink()  # --force: a link is replaced, never written through
     plot(runs, out, smoothing, target, title)
-    md.write_text(markdown_table(rows, target, smoothing))
+    md.write_text(markdown_table(rows, target, smoothing) + MARK)
     print_comparison(rows, target)
     for written, what in ((out, "the plot"), (md, "the table as Markdown")):
         if written in replaced:
