@@ -113,6 +113,14 @@ def test_config_docs_is_a_reference():
         ),
         (["pretrain", "tiny", "--dry-run", 'name=""'], "Config key 'name' is empty"),
         (["pretrain", "tiny-moe", "--dry-run", "model.hf.num_experts_per_tok=99"], "is 99, more than the"),
+        (
+            ["pretrain", "tiny-moe", "--dry-run", "model.hf.num_experts_per_tok=0"],
+            "no expert ever sees a token",
+        ),
+        (  # YAML reads nan as text: transformers fails on it, the message names the key
+            ["pretrain", "tiny", "--dry-run", "+model.hf.rope_theta=nan"],
+            "(model.hf.rope_theta is the text 'nan', where a finite number belongs)",
+        ),
         (["config", "show", str(Path(__file__).parent)], "is a folder, not a YAML file"),
         (["pretrain", "tiny", "--dry-run", "--world-size", "0"], "--world-size is 0; it must be at least 1"),
         # finite, but no float32 holds it: the optimizer's first step would fail

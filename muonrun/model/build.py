@@ -231,6 +231,11 @@ def check_experts(hf) -> None:
     key = next(
         (n for n in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(hf, n, None)), None
     )
+    if isinstance(k, int) and key is not None and k < 1:
+        raise UserError(
+            f"Config key 'model.hf.num_experts_per_tok' is {k}: every token must go to at least one expert "
+            f"(with {k}, no expert ever sees a token and the MoE layers output nothing). Set it to 1 or more."
+        )
     if isinstance(k, int) and key is not None and k > getattr(hf, key):
         raise UserError(
             f"Config key 'model.hf.num_experts_per_tok' is {k}, more than the {getattr(hf, key)} experts "
@@ -280,10 +285,23 @@ def build_failure(m: ModelConfig, hf_config, e: Exception) -> str:
         )
     if isinstance(e, (ValueError, ImportError)) and ("attn" in first or "attention" in first.lower()):
         return f"model.attn_implementation '{m.attn_implementation}' cannot be used: {first}"
+    texts = [f"model.hf.{k} is the text {v!r}" for k, v in (m.hf or {}).items() if _number_text(v)]
+    hint = f" ({'; '.join(texts)}, where a finite number belongs)" if texts else ""
     return (
         f"The model settings (model.hf / model.name_or_path) do not build a {hf_config.model_type}: "
-        f"{type(e).__name__}: {first.rstrip('.')}. Fix model.hf (`muonrun config show` prints what is set)."
+        f"{type(e).__name__}: {first.rstrip('.')}{hint}. Fix model.hf (`muonrun config show` prints what is set)."
     )
+
+
+def _number_text(value) -> bool:
+    """A string that reads as a number ('nan', 'inf', '1e4'): what YAML leaves as text."""
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
