@@ -142,13 +142,13 @@ def pretrain(
         )
     # Inside `srun`, SLURM's variables fill the launch.* keys that the config and the flags leave unset.
     endpoint_given = rdzv_endpoint is not None or "launch.rdzv_endpoint" in overridden_keys(overrides or [])
-    cfg = load_config(
-        config, [*(overrides or []), *flags], environment=launch_defaults(endpoint_given=endpoint_given)
-    )
+    environment = launch_defaults(endpoint_given=endpoint_given)
+    cfg = load_config(config, [*(overrides or []), *flags], environment=environment)
     if dry_run:
+        from muonrun.config.load import overridden_settings
         from muonrun.tools.plan import print_plan
 
-        print_plan(cfg, world_size)
+        print_plan(cfg, world_size, overridden_settings(config, [*(overrides or []), *flags], environment))
         return
     from muonrun.launch.launcher import launch
 

@@ -219,9 +219,8 @@ def test_dry_run_plans_a_large_world_and_counts_qwen2():
     assert "494,032,768" in out  # Qwen2.5-0.5B with tied embeddings
     assert "dp_shard=256" in out and "params in Muon" in out
     # 168 matrices over 256 ranks: some rank still orthogonalizes a whole 4864 x 896 MLP matrix
-    # (in the preset's Gram form with its split restart: 0.05 TFLOP restarting from X, 0.09 in the
-    # standard form)
-    assert "Muon Newton–Schulz 0.04 TFLOP per rank per optimizer step" in out
+    # (in the preset's Gram form with its split restart; 85.3 GFLOP in the standard form)
+    assert "Muon Newton–Schulz 43.0 GFLOP per rank per optimizer step" in out
     adamw = runner.invoke(app, ["pretrain", "qwen2-adamw-fsdp2", "--dry-run", "--world-size", "2"])
     assert adamw.exit_code == 0 and "Newton–Schulz" not in adamw.output
 
@@ -369,15 +368,3 @@ def test_a_setting_that_would_not_do_what_it_says_is_warned_about_and_runs(overr
     assert result.exit_code == 0 and all(s in text for s in says), result.output
     calm = runner.invoke(app, ["pretrain", "tiny", *quiet, "--dry-run"])
     assert calm.exit_code == 0 and "WARNING" not in calm.output, calm.output
-
-
-def test_a_plan_that_needs_more_memory_than_a_worker_has_is_warned_about(monkeypatch):
-    from muonrun.tools import plan
-
-    monkeypatch.setattr(plan, "device_memory", lambda c, workers: (1.0, "a 1 GiB test device"))
-    result = runner.invoke(app, ["pretrain", "tiny", "train.micro_batch_size=512", "--dry-run"])
-    text = " ".join(result.output.split())
-    assert result.exit_code == 0, result.output
-    assert "WARNING: this plan needs about" in text and "(a 1 GiB test device): it will run out" in text
-    fits = runner.invoke(app, ["pretrain", "tiny", "--dry-run"])
-    assert fits.exit_code == 0 and "WARNING" not in fits.output

@@ -316,6 +316,38 @@ def load_config(
     return config
 
 
+def overridden_settings(
+    preset: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    environment: dict[str, Any] | None = None,
+) -> list[tuple[str, str, str]]:
+    """(dotted key, its value in the preset, its value after the overrides) for each key the overrides set,
+    in their order, as text: what a command line changed in its config file (the dry run names them).
+    Takes `load_config`'s arguments; call it after `load_config` has accepted them."""
+    if preset is not None and "=" in str(preset) and not Path(preset).is_file():
+        preset, overrides = None, [str(preset), *overrides]
+    cfg = OmegaConf.structured(Config)
+    for key, value in (environment or {}).items():
+        OmegaConf.update(cfg, key, value)
+    path = resolve_preset(preset or DEFAULT_PRESET)
+    before = _merge(cfg, _load_yaml(path), f"'{path}'")
+    after = before.copy()
+    parsed = _parse_overrides(list(overrides))
+    for key, value, add in parsed:
+        after = _apply_override(after, key, value, add)
+
+    def shown(node: DictConfig, key: str) -> str:
+        value = OmegaConf.select(node, key, default=_ABSENT, throw_on_resolution_failure=False)
+        if value is _ABSENT:
+            return "(not set)"
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        return "null" if value is None else str(value)
+
+    keys = dict.fromkeys(key for key, _, _ in parsed)
+    return [(key, shown(before, key), shown(after, key)) for key in keys]
+
+
 def _typed(cfg: DictConfig) -> Config:
     """Resolve interpolations and turn the OmegaConf tree into the typed dataclasses (which runs each
     section's own checks)."""
