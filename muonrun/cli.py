@@ -167,11 +167,24 @@ def config_show(config: PresetArg = "tiny", overrides: OverridesArg = None) -> N
 
 
 @config_app.command("docs")
-def config_docs() -> None:
-    """Print the reference of every config key (type, default, meaning) as Markdown."""
-    from muonrun.config import markdown_table
+@user_errors
+def config_docs(
+    keys: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[SECTION_OR_KEY]...",
+            help="Only these sections (data, optimizer.muon) or keys (train.max_steps). Default: every key.",
+        ),
+    ] = None,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="One Markdown table (for a docs page) instead of wrapped text.")
+    ] = False,
+) -> None:
+    """Print the reference of config keys: each key's type, default and meaning, wrapped to the terminal."""
+    from muonrun.config.docs import markdown_table, selected, text_reference
 
-    print(markdown_table())
+    docs = selected(keys)
+    print(markdown_table(docs) if markdown else text_reference(docs))
 
 
 @app.command()

@@ -18,9 +18,9 @@ def figure(x: float) -> str:
 def gib(x: float) -> str:
     """A size given in GiB, in the unit that shows it best (12.3 GiB, 45.6 MiB, 789 KiB)."""
     for unit, scale in (("GiB", 1), ("MiB", 2**10), ("KiB", 2**20)):
-        if abs(x) * scale >= 1:
+        if abs(x) * scale >= 1000 / 1024:  # 0.978 GiB, not 1,001 MiB
             return f"{figure(x * scale)} {unit}"
-    return f"{figure(x * 2**30)} bytes"
+    return f"{x * 2**30:,.0f} bytes"
 
 
 def flop(x: float) -> str:
