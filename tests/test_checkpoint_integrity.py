@@ -235,6 +235,10 @@ def test_a_planted_file_never_runs_code(ref, tmp_path):
         code, text = cli(*args)
         assert code == 2 and ".metadata' was refused" in text and "posix.system" in text, (args, text)
         assert not marker.exists()
+    # two workers: the refusal alone, without DCP's tracebacks as it looks for per-rank metadata first
+    result = pretrain(run)
+    assert result.returncode == 2 and ".metadata' was refused" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr and not marker.exists()
 
     # 2. a rank's data-loader/RNG file
     run = copy_of(ref, tmp_path / "rank")

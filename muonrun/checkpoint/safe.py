@@ -127,6 +127,9 @@ def safe_load(state: dict, checkpoint: Path, no_dist: bool = False) -> None:
     reader = SafeReader(str(checkpoint))
     planner = SafePlanner()
     planner.reader = reader
+    # Read (and refuse) the metadata here first: refused inside DCP's load, it would print DCP's own
+    # tracebacks as DCP falls back to looking for per-rank metadata.
+    reader.read_metadata()
     try:
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
     except (KeyboardInterrupt, SystemExit):
