@@ -48,3 +48,13 @@ def test_the_non_finite_message_says_where_and_what_a_rerun_does():
     several = non_finite_message(agreed, world_size=4, resume_step=4)
     assert "loss not finite on rank 0 (the lowest such rank)" in several
     assert "resumes from the last checkpoint, step-4, which is intact" in several
+
+
+def test_a_non_finite_first_step_is_not_blamed_on_the_learning_rate():
+    """Step 1's loss comes from the model as built (+model.hf.rope_theta=-5, say): no update happened yet."""
+    agreement = StepAgreement()
+    agreement.launch(1, torch.tensor(math.nan), torch.tensor(1.0), [0.0, 0.0])
+    text = non_finite_message(agreement.settle(), world_size=2, resume_step=None)
+    assert "at step 1 (loss not finite on rank 0 (the lowest such rank)), before any update" in text
+    assert "the learning rate is not the cause" in text and "model.hf" in text
+    assert "Lower the learning" not in text

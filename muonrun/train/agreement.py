@@ -88,6 +88,13 @@ def non_finite_message(agreed: Agreed, world_size: int, resume_step: int | None)
         if resume_step is not None
         else "start again (no checkpoint was saved before that step)."
     )
+    if agreed.step == 1:  # computed by the model as built, before any update: not the learning rate's doing
+        return (
+            f"Loss or gradient norm is not finite at step 1 ({', '.join(found)}), before any update: the model "
+            "as built and initialised gives it, so the learning rate is not the cause. Look at the model's "
+            "settings (model.hf: rope_theta, router_aux_loss_coef, initializer_range, ...; `muonrun config "
+            "show` prints them) and its weights (model.init, checkpoint.init_from); nothing was saved."
+        )
     return (
         f"Loss or gradient norm is not finite at step {agreed.step} ({', '.join(found)}); stopped, and "
         f"nothing from that step on was saved. Lower the learning rate or raise warmup, then {then}"
