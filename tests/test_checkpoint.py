@@ -32,6 +32,7 @@ from muonrun.checkpoint import (
     verify,
 )
 from muonrun.checkpoint.files import seal
+from muonrun.checkpoint.resume import load_order
 from muonrun.cli import app
 from muonrun.errors import UserError
 
@@ -92,6 +93,12 @@ def test_only_published_checkpoints_count_and_a_published_one_missing_files_is_d
     (tmp_path / "other").mkdir()
     with pytest.raises(UserError, match="not a muonrun checkpoint"):
         resolve_checkpoint(tmp_path / "other")
+    # set aside, complete: never counted, but named it is a checkpoint (resume_from goes back to its line)
+    for aside in ("step-60.abandoned", "step-60.abandoned-2", "step-70.damaged"):
+        _fake_checkpoint(root / aside)
+        assert resolve_checkpoint(root / aside) == root / aside
+        assert load_order(str(root / aside), None, root)[-1] == ("resume", str(root / aside), True)
+    assert [p.name for p in published_checkpoints(root)][-1] == "step-40"
 
 
 def test_loader_state_follows_the_data_rule(tmp_path):

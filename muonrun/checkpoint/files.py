@@ -27,6 +27,9 @@ from muonrun.errors import UserError
 from muonrun.paths import open_own, refuse_not_own, remove_own
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# A checkpoint set aside (`step-N.abandoned` by a resume_from that went back, `step-N.damaged` by a save of
+# its step): never resumed from or pruned unless named (checkpoint.resume_from, export, verify).
+SET_ASIDE = re.compile(r"^step-(\d+)\.(abandoned(-\d+)?|damaged)$")
 META = "muonrun.json"
 CONFIG = "config.yaml"  # in a checkpoint: the config it was saved with; in a run folder: its current one
 # Files hashed at once per rank: hashlib releases the GIL on large buffers, so a rank's few files
@@ -60,7 +63,7 @@ def checkpoints_of(path: str | os.PathLike) -> list[Path]:
     """Every published checkpoint a path names, oldest first: itself (a step-N folder), or all those of
     a run folder or its checkpoints folder. Raises a UserError saying what the path is instead."""
     path = Path(path)
-    if is_published(path):
+    if is_published(path) or (SET_ASIDE.match(path.name) and (path / META).is_file()):
         return [path]
     for root in (path / "checkpoints", path):
         found = published_checkpoints(root)
