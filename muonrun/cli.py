@@ -259,6 +259,44 @@ def export(
         print(f"Exported to {out}; load it with AutoModelForCausalLM.from_pretrained('{out}').")
 
 
+@app.command("eval")
+@user_errors
+def eval_(
+    target: Annotated[
+        str,
+        typer.Argument(
+            metavar="RUN_OR_CHECKPOINT",
+            help="A run folder (its latest checkpoint), a checkpoint folder step-N, or an exported folder.",
+        ),
+    ],
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated tasks: the run's own eval.tasks by name, or lm-evaluation-harness tasks "
+            "(hellaswag,arc_easy,...). Default: the run's eval.tasks."
+        ),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Score only the first N examples of each task.")] = None,
+    num_fewshot: Annotated[
+        int | None,
+        typer.Option(help="Examples shown before each one (default: the task's own, 0 for the run's)."),
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = 16,
+    device: Annotated[
+        str | None, typer.Option(help="Device to run on (default: cuda if there is one).")
+    ] = None,
+    include_path: Annotated[
+        str | None, typer.Option(help="A folder of more harness task YAML files (tasks on local data).")
+    ] = None,
+) -> None:
+    """Score a checkpoint with lm-evaluation-harness (pip install 'muonrun[eval]'); the results go to the run
+    folder's harness.jsonl, which `muonrun compare` shows."""
+    from muonrun.eval.harness import print_results, run_eval
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
+    print_results(*run_eval(target, names, limit, num_fewshot, batch_size, device, include_path))
+
+
 @checkpoint_app.command("verify")
 @user_errors
 def checkpoint_verify(

@@ -321,3 +321,64 @@ def test_eval_target_when_every_run_evaluated(tmp_path, two_runs):
     assert "| tokens to eval target | 4,000 | 2,000 |" in md
     rows_without, _ = summarize([load_run(p) for p in two_runs], smoothing=0.0)
     assert all("eval_target" not in row for row in rows_without)  # b never evaluated
+
+
+def test_downstream_accuracy_at_equal_tokens_and_harness_results_get_rows_and_a_panel_each(tmp_path):
+    def acc_row(step, tokens, rev, last, loss=None):
+        row = {"step": step, "tokens_seen": tokens, "eval_time": 1.0, "time": 1.0 + step}
+        row.update({"eval_acc_rev": rev, "eval_acc_norm_rev": rev, "eval_acc_last": last})
+        row.update({"eval_acc_norm_last": last / 2, "eval_acc_mean": (rev + last) / 2})
+        row["eval_acc_norm_mean"] = (rev + last / 2) / 2
+        return row if loss is None else {**row, "eval_loss": loss}
+
+    start = {"event": "start", "step": 0, "tokens_seen": 0, "time": 0.0, "name": "x", "optimizer": "adamw"}
+    a = write_run(
+        tmp_path / "a",
+        [
+            start,
+            train_row(10, 3.0, 10.0),
+            acc_row(10, 1000, 0.6, 0.2),
+            train_row(20, 2.0, 20.0),
+            acc_row(20, 2000, 0.8, 0.3),
+        ],
+        config="name: a\noptimizer:\n  name: adamw\n",
+    )
+    # b evaluated at other token counts (a larger batch), its eval loss beside the accuracies
+    b = write_run(
+        tmp_path / "b",
+        [
+            start,
+            train_row(10, 2.5, 10.0),
+            acc_row(10, 1500, 0.7, 0.25, loss=2.6),
+            train_row(20, 1.5, 20.0),
+            acc_row(20, 3000, 0.9, 0.4, loss=1.6),
+        ],
+        config="name: b\noptimizer:\n  name: muon\n",
+    )
+    harness = {
+        "event": "harness",
+        "task": "rev",
+        "step": 20,
+        "tokens_seen": 2000,
+        "acc": 0.75,
+        "acc_norm": 0.7,
+    }
+    (a / "harness.jsonl").write_text(
+        json.dumps(harness) + "\n" + json.dumps({**harness, "task": "arc_easy"}) + "\n"
+    )
+    out = tmp_path / "c.png"
+    rows = compare([a, b], out, smoothing=0.0)
+    # the largest token count both evaluated at is 2,000: a's eval there, b's last at or before it (1,500)
+    assert (
+        rows[0]["downstream:rev acc at 2,000 tokens"] == 0.8
+        and rows[1]["downstream:rev acc at 2,000 tokens"] == 0.7
+    )
+    assert rows[1]["downstream:last acc_norm at 2,000 tokens"] == 0.125
+    assert rows[0]["downstream:rev acc, lm-evaluation-harness"] == "0.750 (step 20)"
+    assert "downstream:rev acc, lm-evaluation-harness" not in rows[1]
+    assert rows[0]["downstream:arc_easy acc_norm, lm-evaluation-harness"] == "0.700 (step 20)"
+    assert rows[0]["best_eval_loss"] is None and rows[1]["best_eval_loss"] == 1.6  # loss rows only
+    md = out.with_suffix(".md").read_text()
+    assert "| mean acc at 2,000 tokens | 0.550 | 0.475 |" in md and "Accuracy at N tokens" in md
+    width, height = struct.unpack(">II", out.read_bytes()[16:24])
+    assert (width, height) == (1800, 1056)  # a second row: panels for last, rev, mean and arc_easy

@@ -18,6 +18,7 @@ import typing
 
 from omegaconf import DictConfig, ListConfig
 
+from muonrun.config.evaluation import EvalConfig, EvalTaskConfig
 from muonrun.config.schema import Config, DataConfig, SourceConfig
 from muonrun.errors import UserError
 
@@ -59,6 +60,8 @@ def field_docs(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, str
         out[key] = (typ, repr(default), docs.get(f.name, ""))
     if cls is DataConfig:
         out.update(field_docs(SourceConfig, f"{prefix}sources[]."))
+    if cls is EvalConfig:
+        out.update(field_docs(EvalTaskConfig, f"{prefix}tasks[]."))
     return out
 
 

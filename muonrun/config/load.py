@@ -453,10 +453,15 @@ def validate(cfg: DictConfig) -> Config:
                 raise UserError(
                     f"Config key 'data.{group}.{i}.path' is not set; give a file, folder or Hub id."
                 )
-    if c.train.eval_interval and not c.data.eval_sources:
+    if c.train.eval_interval and not (c.data.eval_sources or c.eval.tasks):
         raise UserError(
-            f"Config key 'train.eval_interval' is {c.train.eval_interval} but 'data.eval_sources' is empty; "
-            "add an eval source or set train.eval_interval=0."
+            f"Config key 'train.eval_interval' is {c.train.eval_interval} but 'data.eval_sources' and 'eval.tasks' "
+            "are empty; add an eval source or task, or set train.eval_interval=0."
+        )
+    if c.eval.tasks and not c.train.eval_interval:
+        raise UserError(
+            "Config key 'eval.tasks' lists tasks but train.eval_interval is 0, so they would never run; set "
+            "train.eval_interval (they run with the eval loss, and at the last step)."
         )
     if c.model.init == "pretrained" and not c.model.name_or_path:
         raise UserError("Config key 'model.init' is 'pretrained' but 'model.name_or_path' is not set.")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from muonrun.config.checks import at_least, not_negative
+from muonrun.config.evaluation import EvalConfig
 from muonrun.config.optimizer import OptimizerConfig
 from muonrun.errors import UserError
 
@@ -249,7 +250,8 @@ class TrainConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """`auto` (cuda when available, else cpu), `cuda` or `cpu`."""
     eval_interval: int = 0
-    """Evaluate on data.eval_sources every N steps (0: never)."""
+    """Evaluate every N steps and at the last (0: never): the loss on data.eval_sources and the
+    multiple-choice tasks of eval.tasks."""
     eval_steps: int = 10
     """Batches per evaluation."""
     loss_chunk_tokens: int = 4096
@@ -435,6 +437,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Multiple-choice tasks scored during training: `eval.*`."""
 
     def tokens_per_step(self, world_size: int) -> int:
         """Training tokens of one optimizer step over all `world_size` ranks."""

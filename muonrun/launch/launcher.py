@@ -142,6 +142,7 @@ def launch(cfg: Config) -> int:
     from muonrun.checkpoint.resume import load_order
     from muonrun.data import check_data
     from muonrun.distributed import check_device, pick_device_type
+    from muonrun.eval import check_tasks
     from muonrun.features import enabled
     from muonrun.model.build import check_model
     from muonrun.optim.groups import split_params
@@ -156,6 +157,7 @@ def launch(cfg: Config) -> int:
     for feature in features:
         feature.check(device_type)
     tokenizer = check_data(cfg)
+    check_tasks(cfg, tokenizer)  # eval.tasks' files, record by record
     model = check_model(
         cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features, cfg.train.router_z_loss_coef
     )

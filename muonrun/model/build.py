@@ -17,7 +17,7 @@ from torch import nn
 from muonrun.config import ModelConfig
 from muonrun.errors import UserError
 from muonrun.model.attention import use_mask_free_sdpa
-from muonrun.model.loss import linear_cross_entropy_sum
+from muonrun.model.loss import linear_cross_entropy_sum, token_log_likelihoods
 from muonrun.model.moe import (
     RouterLogits,
     active_matmul_params,
@@ -434,13 +434,13 @@ class CausalLMWithLoss(nn.Module):
             "the fused loss expects a bias-free Linear LM head"
         )
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         # use_cache=False: training needs no KV cache, and a cache object in the call makes every
         # compiled decoder layer guard on its own cache slot, so each layer recompiles and all past
         # torch._dynamo's recompile limit (8) silently run eager.
-        if self.router_aux_loss_coef is None:
+        if self.router_aux_loss_coef is None or per_token:
             hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
-            return self._lm_loss(hidden, labels)
+            return self._lm_loss(hidden, labels, per_token)
         if self._router_logits is None:
             out = self.lm.base_model(input_ids=input_ids, use_cache=False, output_router_logits=True)
             router_logits = out.router_logits
@@ -464,8 +464,10 @@ class CausalLMWithLoss(nn.Module):
             scaled = scaled + self.router_z_loss_coef * z
         return loss + (scaled - scaled.detach())
 
-    def _lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         weight = self.lm.get_output_embeddings().weight
+        if per_token:  # each label's log-probability [B, T], for downstream evals (muonrun/eval/)
+            return token_log_likelihoods(hidden, weight, labels, self.loss_chunk_tokens)
         total = linear_cross_entropy_sum(
             hidden.flatten(0, 1), weight, labels.flatten(), self.loss_chunk_tokens, self.compile_loss
         )

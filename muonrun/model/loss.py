@@ -98,3 +98,16 @@ class _NoCtx:
 
     def save_for_backward(self, *tensors) -> None:
         pass
+
+
+def token_log_likelihoods(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int = 4096) -> Tensor:
+    """log p(label) of every token in fp32, computed chunk by chunk (downstream evals, no gradient);
+    hidden [..., d], weight [V, d], labels [...]."""
+    h, y = hidden.flatten(0, -2), labels.flatten()
+    chunk = chunk if chunk > 0 else h.shape[0]
+    out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], chunk):
+        logits = (h[start : start + chunk] @ weight.t()).float()
+        picked = logits.gather(1, y[start : start + chunk, None]).squeeze(1)
+        out[start : start + chunk] = picked - torch.logsumexp(logits, dim=-1)
+    return out.view(labels.shape)

@@ -68,7 +68,9 @@ def step_fields(row: dict, max_steps: int, eta: float | None) -> list[tuple[str,
 
 def eval_fields(row: dict) -> list[tuple[str, str]]:
     fields = [
-        (k, f"{v:.4f}" if k == "eval_loss" else f"{v:.2f}") for k, v in row.items() if k.startswith("eval_")
+        (k, f"{v:.4f}" if k == "eval_loss" else f"{v:.3f}" if k.startswith("eval_acc") else f"{v:.2f}")
+        for k, v in row.items()
+        if k.startswith("eval_")
     ]
     return [(k, v + "s") if k == "eval_time" else (k, v) for k, v in fields]
 

@@ -36,9 +36,9 @@ def _section(key: str, default: str) -> str:
 
 def _tags(row: dict) -> dict[str, float]:
     """A train or eval row's numbers as TensorBoard / W&B tags: `train/loss`, `eval/loss`, `eval/ppl`,
-    and the telemetry under `attention/` and `optimizer/`."""
+    `eval/acc_NAME` (eval.tasks), and the telemetry under `attention/` and `optimizer/`."""
     numbers = {k: v for k, v in _numbers(row).items() if k not in ("step", "time")}
-    if "eval_loss" in row:
+    if "eval_time" in row or "eval_loss" in row:
         return {f"eval/{k.removeprefix('eval_')}": v for k, v in numbers.items()}
     return {f"{_section(k, 'train')}/{k}": v for k, v in numbers.items()}
 

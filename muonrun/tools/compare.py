@@ -28,6 +28,7 @@ from pathlib import Path
 from muonrun import log
 from muonrun.errors import UserError
 from muonrun.paths import unwritable
+from muonrun.tools import downstream
 
 
 @dataclass
@@ -38,11 +39,19 @@ class Run:
     train: list[dict]
     """Training rows (with `loss`), one per logged step, in step order; rows a resume replaced are gone."""
     evals: list[dict] = field(default_factory=list)
+    """Eval rows: the held-out loss, the accuracies on eval.tasks, or both."""
+    harness: list[dict] = field(default_factory=list)
+    """`muonrun eval`'s results (harness.jsonl), one row per task and evaluation."""
     wall: list[float] = field(default_factory=list)
     """Seconds of wall time at each training row, summed over the run's segments (resumes)."""
     shown: str = ""
     """What the table and legend call the run: `name`, or its folder when another run has the same name
     (set by `tell_apart`)."""
+
+    @property
+    def losses(self) -> list[dict]:
+        """The eval rows with a held-out loss."""
+        return [r for r in self.evals if "eval_loss" in r]
 
     @property
     def label(self) -> str:
@@ -89,11 +98,17 @@ def _read_config(path: Path) -> dict:
         return {}
 
 
-_NEEDS = {"start": ("step", "time"), "training": ("step", "loss", "time"), "eval": ("step", "eval_loss")}
+_NEEDS = {
+    "start": ("step", "time"),
+    "training": ("step", "loss", "time"),
+    "eval": ("step", "eval_loss"),
+    "downstream eval": ("step", "tokens_seen"),
+}
 _KINDS = (
     ("start", lambda row: row.get("event") == "start"),
     ("training", lambda row: "loss" in row),
     ("eval", lambda row: "eval_loss" in row),
+    ("downstream eval", lambda row: any(k.startswith(downstream.ACC) for k in row)),
 )
 
 
@@ -162,11 +177,12 @@ def load_run(path: str | Path) -> Run:
                 segment_start = row["time"] - row.get("step_time", 0.0) * row["step"]
             train.append(row)
             wall.append(offset + row["time"] - segment_start)
-        elif "eval_loss" in row:
+        elif "eval_loss" in row or any(k.startswith(downstream.ACC) for k in row):
             evals.append(row)
     if not train:
         raise UserError(f"Run folder '{path}' has no logged training steps in metrics.jsonl yet.")
-    return Run(path=path, name=str(name), optimizer=str(optimizer), train=train, evals=evals, wall=wall)
+    harness = downstream.read_harness(path)
+    return Run(path, str(name), str(optimizer), train, evals=evals, wall=wall, harness=harness)
 
 
 def ema(values: list[float], smoothing: float) -> list[float]:
@@ -201,7 +217,7 @@ def summarize(runs: list[Run], smoothing: float) -> tuple[list[dict], float]:
                 "tokens": run.train[-1]["tokens_seen"],
                 "final_loss": run.train[-1]["loss"],
                 "final_loss_smoothed": curve[-1],
-                "best_eval_loss": min((r["eval_loss"] for r in run.evals), default=None),
+                "best_eval_loss": min((r["eval_loss"] for r in run.losses), default=None),
                 "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
                 "mfu": _median([r.get("mfu") for r in steady]),
                 "steps_to_target": run.train[hit]["step"],
@@ -213,12 +229,14 @@ def summarize(runs: list[Run], smoothing: float) -> tuple[list[dict], float]:
     worst_tokens = max(rows, key=lambda r: r["final_loss_smoothed"])["tokens_to_target"]
     for row in rows:
         row["token_speedup"] = worst_tokens / row["tokens_to_target"] if row["tokens_to_target"] else None
-    if all(run.evals for run in runs):  # the same question asked of the held-out loss
-        eval_target = max(run.evals[-1]["eval_loss"] for run in runs)
+    if all(run.losses for run in runs):  # the same question asked of the held-out loss
+        eval_target = max(run.losses[-1]["eval_loss"] for run in runs)
         for row, run in zip(rows, runs, strict=True):
-            hit = next(r for r in run.evals if r["eval_loss"] <= eval_target)
+            hit = next(r for r in run.losses if r["eval_loss"] <= eval_target)
             row["eval_target"] = eval_target
             row["tokens_to_eval_target"] = hit.get("tokens_seen")
+    for row, cells in zip(rows, downstream.summary(runs), strict=True):
+        row.update(cells)  # accuracy on the eval tasks at equal tokens, lm-evaluation-harness results
     return rows, target
 
 
@@ -279,7 +297,7 @@ def table_metrics(rows: list[dict]) -> list[tuple[str, str, str]]:
         for k in sorted(present)
         if k.startswith("update_rms_")
     ]
-    return METRICS + extra
+    return METRICS + extra + downstream.table_metrics(rows)
 
 
 def _cells(rows: list[dict], key: str, fmt: str) -> list[str]:
@@ -297,7 +315,8 @@ def markdown_table(rows: list[dict], target: float, smoothing: float) -> str:
         "",
         f"Target loss {target:.4f}: the worse run's final training loss, EMA-smoothed ({smoothing:g} per logged "
         "row). tokens/s and MFU: medians over the logged steps after the first. Token speed-up: the worse "
-        "run's tokens to target / this run's.",
+        "run's tokens to target / this run's."
+        + (downstream.FOOTNOTE if downstream.table_metrics(rows) else ""),
     ]
     return "\n".join(lines) + "\n"
 
@@ -333,18 +352,20 @@ def plot(runs: list[Run], out: Path, smoothing: float, target: float, title: str
             "step",
             "step",
             lambda run: [r["step"] for r in run.train],
-            lambda run: [r["step"] for r in run.evals],
+            lambda run: [r["step"] for r in run.losses],
         ),
         (
             "tokens",
             "tokens",
             lambda run: [r["tokens_seen"] for r in run.train],
-            lambda run: [r["tokens_seen"] for r in run.evals],
+            lambda run: [r["tokens_seen"] for r in run.losses],
         ),
         ("wall", "wall time (min)" if minutes else "wall time (s)", lambda run: run.wall, None),
     ]
-    fig = Figure(figsize=(15, 4.6), layout="constrained")
-    axes = fig.subplots(1, 3, sharey=True)
+    tasks = downstream.task_names(runs)  # a second row: a panel per task
+    fig = Figure(figsize=(15, 8.8 if tasks else 4.6), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[1, 0.9]) if tasks else (fig, None)
+    axes = top.subplots(1, 3, sharey=True)
     smoothed = {id(run): ema([r["loss"] for r in run.train], smoothing) for run in runs}
     all_smoothed = sorted(v for s in smoothed.values() for v in s)
     low, high = all_smoothed[0], all_smoothed[int(0.95 * (len(all_smoothed) - 1))]
@@ -358,8 +379,8 @@ def plot(runs: list[Run], out: Path, smoothing: float, target: float, title: str
             if smoothing > 0:
                 ax.plot(x, [r["loss"] for r in run.train], color=color, alpha=0.25, linewidth=0.8)
             ax.plot(x, smoothed[id(run)], color=color, linewidth=1.8, label=run.label)
-            if eval_xs is not None and run.evals:
-                ax.plot(eval_xs(run), [r["eval_loss"] for r in run.evals], "o", color=color, markersize=4)
+            if eval_xs is not None and run.losses:
+                ax.plot(eval_xs(run), [r["eval_loss"] for r in run.losses], "o", color=color, markersize=4)
         ax.axhline(target, color="0.5", linestyle="--", linewidth=0.8)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
@@ -368,12 +389,14 @@ def plot(runs: list[Run], out: Path, smoothing: float, target: float, title: str
     axes[0].set_ylim(low - pad, high + pad)
     axes[0].set_ylabel("training loss" + (f" (EMA {smoothing:g})" if smoothing > 0 else ""))
     handles, labels = axes[0].get_legend_handles_labels()
-    if any(run.evals for run in runs):
+    if any(run.losses for run in runs):
         handles.append(Line2D([], [], marker="o", color="0.3", linestyle="none", markersize=4))
         labels.append("eval loss")
     handles.append(Line2D([], [], color="0.5", linestyle="--", linewidth=0.8))
     labels.append(f"target {target:.3f} (worse run's final)")
     axes[0].legend(handles, labels, fontsize=9)
+    if bottom is not None:
+        downstream.plot(bottom, runs)
     fig.suptitle(title or "muonrun compare: " + " vs ".join(run.label for run in runs))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120, metadata={"Software": WRITER})

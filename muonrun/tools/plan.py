@@ -58,6 +58,7 @@ def tokenizer_and_data(c, check_data_here: bool = True, offline: bool = False) -
     see): the data is left unchecked, and the plan says so. `offline`: the Hub cannot be asked (its
     cache is all there is), which is then why a Hub tokenizer does not load."""
     from muonrun.data import build_tokenizer, check_data
+    from muonrun.eval import check_tasks
 
     try:
         tok = build_tokenizer(c.data.tokenizer)
@@ -72,9 +73,12 @@ def tokenizer_and_data(c, check_data_here: bool = True, offline: bool = False) -
     if not check_data_here:
         return tok.vocab_size, tokenizer, "not checked (--world-size plans for other machines)"
     check_data(c, tok)
+    check_tasks(c, tok)
     counts = f"{len(c.data.sources)} train source(s)" + (
         f", {len(c.data.eval_sources)} eval source(s)" if c.data.eval_sources else ""
     )
+    if c.eval.tasks:
+        counts += f", {len(c.eval.tasks)} eval task(s)"
     return tok.vocab_size, tokenizer, f"{counts}, checked as the launch checks them"
 
 

@@ -19,6 +19,7 @@ from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGStat
 from muonrun.config import Config, to_yaml
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
+from muonrun.eval import task_set
 from muonrun.features import enabled, flops_per_token, pretrained_name
 from muonrun.model.build import CausalLMWithLoss, architecture_of, build_hf_config, build_model, init_weights
 from muonrun.model.build import flops_per_token as model_flops_per_token
@@ -118,9 +119,10 @@ class Trainer:
             build_loader(
                 cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size, split="eval"
             )
-            if cfg.train.eval_interval
+            if cfg.train.eval_interval and cfg.data.eval_sources
             else None
         )
+        self.tasks = task_set(cfg, self.tokenizer)  # multiple-choice tasks scored with the eval loss
         self.state = TrainState()
         self.agreement = StepAgreement(self.dist.rank, self.dist.world_size)
         self.optimizer_time: Callable[[], float] | None = None
@@ -252,14 +254,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """The loss on data.eval_sources and the accuracies on eval.tasks (collective)."""
         self.model.eval()
-        losses = [
-            self.model(b["input_ids"].to(self.dist.device), b["labels"].to(self.dist.device))
-            for b in self.eval_loader
-        ]
+        values = {}
+        if self.eval_loader is not None:
+            losses = [
+                self.model(b["input_ids"].to(self.dist.device), b["labels"].to(self.dist.device))
+                for b in self.eval_loader
+            ]
+            loss = all_reduce_mean(torch.stack(losses).mean()).item()
+            values.update(eval_loss=loss, eval_ppl=math.exp(loss))
+        if self.tasks is not None:
+            d = self.dist
+            values.update(self.tasks.score(self.model, d.device, d.rank, d.world_size))
         self.model.train()
-        loss = all_reduce_mean(torch.stack(losses).mean()).item()
-        return {"eval_loss": loss, "eval_ppl": math.exp(loss)}
+        return values
 
     def train(self) -> None:
         cfg = self.cfg
