@@ -16,6 +16,7 @@ from typing import Any, Literal
 from muonrun.config.checks import at_least, not_negative
 from muonrun.config.evaluation import EvalConfig
 from muonrun.config.optimizer import OptimizerConfig
+from muonrun.config.ramp import BatchRampConfig
 from muonrun.errors import UserError
 
 
@@ -241,7 +242,9 @@ class TrainConfig:
     micro_batch_size: int = 1
     """Sequences per rank per forward/backward."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step (once train.batch_ramp has reached it)."""
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+    """A batch-size ramp over the first tokens (off by default): `train.batch_ramp.*`."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 42
@@ -312,6 +315,13 @@ class TrainConfig:
                 "train.router_bias_update_rate": self.router_bias_update_rate,
             }
         )
+        if self.batch_ramp.tokens and self.batch_ramp.start_grad_accum_steps >= self.grad_accum_steps:
+            raise UserError(
+                f"Config key 'train.batch_ramp.start_grad_accum_steps' is {self.batch_ramp.start_grad_accum_steps} "
+                f"but train.grad_accum_steps is {self.grad_accum_steps}: the ramp grows the batch to the latter "
+                "from fewer accumulation steps. Lower the start, raise train.grad_accum_steps, or set "
+                "train.batch_ramp.tokens=0."
+            )
 
 
 @dataclass

@@ -27,6 +27,7 @@ from muonrun.observe.console import make_view
 from muonrun.observe.environment import git_sha, gpu_names, library_versions
 from muonrun.observe.mfu import lookup_peak_tflops, matmul_precision
 from muonrun.observe.sinks import make_sinks
+from muonrun.train.ramp import tokens_after
 
 
 def memory_numbers(device: torch.device) -> dict[str, float]:
@@ -78,6 +79,17 @@ class PendingRow:
     eta: float | None
 
 
+def ramp_text(t) -> str:
+    """The banner's words for train.batch_ramp (empty without one)."""
+    r = t.batch_ramp
+    if not r.tokens:
+        return ""
+    return (
+        f"; ramped from {r.start_grad_accum_steps} accum over the first {r.tokens:,} tokens, "
+        "lr x sqrt(batch / full batch)"
+    )
+
+
 class Metrics:
     """What the trainer reports to: `start` once, `record` every step, `log_eval` after evaluations,
     `note` for messages, `close` at the end. Only rank 0 writes files; every rank joins the reductions."""
@@ -107,6 +119,7 @@ class Metrics:
         elif cfg.logging.all_ranks:
             self.view = make_view("plain", prefix=f"[rank {d.rank}] ")
         self._start_step = 0
+        self._tokens_mark = 0
         self._t0 = time.perf_counter()
         self._pending: PendingRow | None = None
         self._reset_window()
@@ -126,8 +139,9 @@ class Metrics:
     def tokens_at_max_steps(self, state) -> int:
         """The tokens seen when the run reaches train.max_steps: those seen so far (restored from the
         checkpoint, whatever world size saved it) plus the remaining steps at this launch's tokens/step."""
-        remaining = max(0, self.cfg.train.max_steps - state.step)
-        return state.tokens_seen + remaining * self.tokens_per_step_per_rank * self.dist.world_size
+        remaining, t = max(0, self.cfg.train.max_steps - state.step), self.cfg.train
+        per_micro_batch = self.tokens_per_step_per_rank * self.dist.world_size // t.grad_accum_steps
+        return tokens_after(remaining, state.tokens_seen, t.grad_accum_steps, t.batch_ramp, per_micro_batch)
 
     def run_info(self, state) -> dict:
         """The start row: how this run (or resume) was set up, for the banner, `compare` and later readers."""
@@ -200,7 +214,8 @@ class Metrics:
             (
                 "batch",
                 f"{t.micro_batch_size} seq x {t.grad_accum_steps} accum x {c.data.seq_len} tokens x "
-                f"{self.dist.world_size} ranks = {info['tokens_per_step']:,} tokens/step; {total}",
+                f"{self.dist.world_size} ranks = {info['tokens_per_step']:,} tokens/step; {total}"
+                + ramp_text(t),
             )
         )
         mesh = " x ".join(f"{k}={v}" for k, v in info["mesh"].items())
@@ -230,6 +245,7 @@ class Metrics:
 
     def start(self, state) -> None:
         self._start_step = state.step
+        self._tokens_mark = state.tokens_seen  # tokens/s: the tokens of a logging window (a ramp varies them)
         if self.dist.is_main:
             info = self.run_info(state)
             self._write(info)
@@ -281,7 +297,9 @@ class Metrics:
         reduced = HostCopy(torch.cat([mean, worst]))
         steps = self._window_steps
         step_time = (now - self._window_start - self._window_paused) / steps
-        tps = self.tokens_per_step_per_rank / step_time
+        # per device: the window's tokens over every rank
+        tps = (state.tokens_seen - self._tokens_mark) / steps / self.dist.world_size / step_time
+        self._tokens_mark = state.tokens_seen
         row = {
             "step": state.step,
             "loss": None,

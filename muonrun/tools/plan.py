@@ -90,6 +90,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.optim.groups import split_params
     from muonrun.optim.sharding import owner_flops
     from muonrun.tools.hub import hub_access
+    from muonrun.train.ramp import tokens_after
 
     nnodes = cfg.launch.nnodes
     world = default_nproc(cfg) * nnodes if world_size is None else world_size
@@ -113,6 +114,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     )
     muon_params = sum(p.numel() for _, p in split.muon + split.experts)
     tokens_per_step = cfg.tokens_per_step(world)
+    accum = cfg.train.grad_accum_steps
     iteration = muon_iteration(cfg) if cfg.optimizer.name == "muon" else None
     fpt = flops_per_token(features, model_flops_per_token(hf, cfg.data.seq_len), model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
@@ -131,7 +133,9 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         "nnodes": nnodes,
         "mesh": {"dp_replicate": replicate, "dp_shard": shard},
         "tokens_per_step": tokens_per_step,
-        "total_tokens": tokens_per_step * cfg.train.max_steps,
+        "total_tokens": tokens_after(
+            cfg.train.max_steps, 0, accum, cfg.train.batch_ramp, tokens_per_step // accum
+        ),
         "model_flops_per_rank_step": fpt * tokens_per_step / world,
         "ns_flops_per_rank_step": (
             owner_flops([p.shape for _, p in split.muon], shard, iteration.flops) if iteration else 0
@@ -160,6 +164,26 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         ),
         "feature_rows": [row for f in features for row in f.plan_rows(model)],
     }
+
+
+def ramp_rows(cfg: Config, tokens_per_step: int) -> list[tuple[str, str]]:
+    """The dry run's line for train.batch_ramp: each batch size and the steps it lasts (none without one)."""
+    from muonrun.train.ramp import levels
+
+    t = cfg.train
+    if not t.batch_ramp.tokens:
+        return []
+    per = tokens_per_step // t.grad_accum_steps
+    parts = [
+        f"{lv.accum} accum ({lv.accum * per:,} tokens) at steps {lv.first_step:,}-{lv.first_step + lv.steps - 1:,}"
+        for lv in levels(t.grad_accum_steps, t.batch_ramp, per, t.max_steps)
+    ]
+    if len(parts) > 6:
+        parts = [*parts[:3], "...", *parts[-2:]]
+    rule = "lr x sqrt(batch / full batch) while it ramps"
+    return [
+        ("batch ramp", f"over the first {t.batch_ramp.tokens:,} tokens: " + ", ".join(parts) + f"; {rule}")
+    ]
 
 
 def command_line_row(cfg: Config, s: dict, world_size: int | None, overridden) -> list[tuple[str, str]]:
@@ -280,6 +304,7 @@ def print_plan(cfg: Config, world_size: int | None, overridden=()) -> None:
         ),
         *hsdp_row(cfg, s),
         ("tokens/step", f"{s['tokens_per_step']:,}"),
+        *ramp_rows(cfg, s["tokens_per_step"]),
         ("total tokens", f"{s['total_tokens']:,} over {cfg.train.max_steps:,} steps"),
         (
             "memory/rank (no activations)",

@@ -32,6 +32,7 @@ from muonrun.optim.build import build_optimizers
 from muonrun.tools.export import export_replacing
 from muonrun.train.agreement import Agreed, StepAgreement, non_finite_message
 from muonrun.train.clip import clip_grad_norm
+from muonrun.train.ramp import accum_steps, lr_scale
 from muonrun.train.schedule import lr_multiplier
 
 
@@ -126,7 +127,8 @@ class Trainer:
         self.state = TrainState()
         self.agreement = StepAgreement(self.dist.rank, self.dist.world_size)
         self.optimizer_time: Callable[[], float] | None = None
-        self.tokens_per_step = cfg.tokens_per_step(self.dist.world_size)
+        # train.batch_ramp: a step accumulates a number of micro-batches that the tokens seen decide
+        self.tokens_per_micro_batch = cfg.tokens_per_step(self.dist.world_size) // cfg.train.grad_accum_steps
 
         # Frozen parameters (LoRA's base) are read from model.name_or_path at every start and never
         # checkpointed; a resume (or init_from) overwrites the rest; a fresh start may take pretrained
@@ -170,8 +172,13 @@ class Trainer:
             model=self.model.lm,
         )
 
-    def set_lr(self) -> float:
+    def accum_steps(self) -> int:
+        """Micro-batches of the next step: train.grad_accum_steps, fewer while the batch ramps up."""
+        return accum_steps(self.state.tokens_seen, self.cfg.train.grad_accum_steps, self.cfg.train.batch_ramp)
+
+    def set_lr(self, accum: int) -> float:
         multiplier = lr_multiplier(self.state.step + 1, self.cfg.schedule, self.cfg.train.max_steps)
+        multiplier *= lr_scale(accum, self.cfg.train.grad_accum_steps)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * multiplier
@@ -183,10 +190,9 @@ class Trainer:
         wait = time.perf_counter() - start
         return {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}, wait
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over grad_accum_steps micro-batches. Returns (loss, grad norm, data wait s)
-        as device tensors: nothing here waits for the GPU (the agreement is read one step late)."""
-        accum = self.cfg.train.grad_accum_steps
+    def train_step(self, accum: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over `accum` micro-batches. Returns (loss, grad norm, data wait s) as device
+        tensors: nothing here waits for the GPU (the agreement is read one step late)."""
         loss_sum = torch.zeros((), device=self.dist.device)
         data_wait = 0.0
         self.model.watch_experts = self.logs(self.state.step + 1)  # MoE load statistics: logged steps
@@ -283,10 +289,11 @@ class Trainer:
             )
         try:
             while self.state.step < cfg.train.max_steps:
-                lr_mult = self.set_lr()
-                loss, grad_norm, data_wait = self.train_step()
+                accum = self.accum_steps()
+                lr_mult = self.set_lr(accum)
+                loss, grad_norm, data_wait = self.train_step(accum)
                 self.state.step += 1
-                self.state.tokens_seen += self.tokens_per_step
+                self.state.tokens_seen += accum * self.tokens_per_micro_batch
                 step = self.state.step
                 # MUONRUN_FAULT=kill@STEP / term@STEP / hang@STEP (until a stop request)
                 faults.after_step(step, self.dist.rank, lambda: self.checkpointer.flag.raised is not None)
