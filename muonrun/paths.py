@@ -111,3 +111,86 @@ def remove_own(path: str | os.PathLike) -> None:
     else:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+# What a write that ran out of room raises: errno, or the words of libraries that hide it (safetensors'
+# SafetensorError carries Rust's io error kind; torch's stream writer its own RuntimeError).
+_NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is used up"}
+_NO_ROOM[errno.EFBIG] = "a file outgrew the file-size limit"
+_NO_ROOM_WORDS = {
+    "StorageFull": errno.ENOSPC,
+    "No space left on device": errno.ENOSPC,
+    "QuotaExceeded": errno.EDQUOT,
+    "Disk quota exceeded": errno.EDQUOT,
+    "FileTooLarge": errno.EFBIG,
+    "File too large": errno.EFBIG,
+}
+
+
+def out_of_room(errors) -> int | None:
+    """The errno (ENOSPC, EDQUOT or EFBIG) behind any of `errors` (exceptions, their causes and contexts
+    followed), or None when none of them ran out of room."""
+    seen, todo = set(), list(errors)
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _NO_ROOM:
+            return e.errno
+        for words, number in _NO_ROOM_WORDS.items():
+            if words in str(e):
+                return number
+        todo += [e.__cause__, e.__context__, *(getattr(e, "failures", None) or {}).values()]
+        todo += [x for x in (e.args if isinstance(e, BaseException) else ()) if isinstance(x, BaseException)]
+        if isinstance(e, tuple):
+            todo += [x for x in e if isinstance(x, BaseException)]
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def out_of_room_message(number: int, what: str, where: Path, needed: int | None) -> str:
+    """One paragraph for a write (`what`, into `where`) that ran out of room (`number`, from `out_of_room`):
+    what it needed (`needed` bytes: in all, or for its largest file when a file-size limit stopped it),
+    what was free or allowed, and what to do."""
+    import resource
+
+    if number == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        shown = "unlimited" if limit == resource.RLIM_INFINITY else _size(limit)
+        have = f"the file-size limit (ulimit -f) is {shown}"
+        fix = "Raise the limit (ulimit -f unlimited, or the scheduler's file-size setting)"
+    else:
+        try:
+            free = shutil.disk_usage(where if where.exists() else where.parent).free
+            have = f"the filesystem has {_size(free)} free"
+        except OSError:
+            have = "the filesystem's free space is unknown"
+        fix = "Free space there, or point it at a larger filesystem"
+    needs = "Its largest file needs about" if number == errno.EFBIG else "It needs about"
+    need = f"{needs} {_size(needed)}; {have}" if needed else have[0].upper() + have[1:]
+    return f"{what} into '{where}' failed: {_NO_ROOM[number]}. {need}. {fix}."
+
+
+def room_left_in(folder: Path) -> int | None:
+    """ENOSPC or EFBIG when `folder` shows that a write into it ran out of room (its filesystem nearly
+    full, or a file in it as large as the file-size limit), else None: for errors that lost their errno
+    on the way (a library's own exception, a peer rank's)."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    try:
+        if limit != resource.RLIM_INFINITY and any(p.stat().st_size >= limit for p in folder.iterdir()):
+            return errno.EFBIG
+        if shutil.disk_usage(folder).free < 1 << 20:
+            return errno.ENOSPC
+    except OSError:
+        return None
+    return None

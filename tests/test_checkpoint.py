@@ -10,13 +10,28 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import NORMUON, STEPS, assert_same_losses, losses, muonrun, ok, pretrain, steps_of, tree
+from helpers import (
+    NORMUON,
+    STEPS,
+    assert_same_losses,
+    cli_env,
+    losses,
+    muonrun,
+    ok,
+    pretrain,
+    pretrain_args,
+    steps_of,
+    tree,
+)
 from typer.testing import CliRunner
 
 from muonrun import faults
@@ -209,6 +224,49 @@ def test_muon_worker_crash_restarts_from_the_checkpoint_exactly(normuon_ref, tmp
 STILL = 1 - 2**-30
 """A momentum and beta2 that hold Muon's EMAs still: each step moves an entry by 2**-30 of its gap to
 the new value, which fp32 rounds away or nearly."""
+
+
+@pytest.mark.slow
+def test_a_save_out_of_room_is_one_paragraph_and_the_last_checkpoint_resumes_exactly(adamw_ref, tmp_path):
+    """A file-size limit (as a full disk or quota would) stops the step-8 save: one paragraph naming the
+    folder, the limit and what the save needed, the half-written step-8.tmp removed, the earlier
+    checkpoint kept; with room again the run resumes from it exactly."""
+    out, ckpt = tmp_path / "run", "checkpoint.interval=4"
+    stopped = ok(pretrain(out, ckpt, fault="term@4"))  # a preemption: saved at step 5 or 6
+    first = max(losses(out))
+    assert f"Stopped by signal after step {first}" in stopped and steps_of(out) == [4, first]
+    limited = subprocess.run(
+        [sys.executable, "-m", "muonrun", *pretrain_args(out, ckpt)],
+        capture_output=True, text=True, env=cli_env(), timeout=400,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY)),
+    )  # fmt: skip
+    text = " ".join(limited.stderr.split())
+    assert limited.returncode == 2, limited.stdout[-2000:] + limited.stderr[-3000:]
+    assert (
+        f"Saving checkpoint step-{STEPS} into '{out / 'checkpoints' / f'step-{STEPS}.tmp'}' failed: a file"
+        in text
+    )
+    assert "outgrew the file-size limit. Its largest file needs about" in text
+    assert "the file-size limit (ulimit -f) is 1.0 MiB" in text
+    assert (
+        f"The half-written step-{STEPS}.tmp was removed; step-{first}, the latest checkpoint, is kept" in text
+    )
+    assert text.count("Saving checkpoint") == 1 and "Traceback" not in limited.stdout + limited.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{s}" for s in (4, first)]
+    ok(pretrain(out, ckpt))
+    assert steps_of(out) == [first, STEPS]
+    assert_same_losses(out, adamw_ref, first=first + 1)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_without_restarts_is_named_not_the_peer_that_lost_it(tmp_path):
+    """kill -9 of rank 1: rank 0 then fails in a collective with it ("Connection reset by peer"), and
+    may exit first; the launcher names rank 1 and how it died, in one line."""
+    result = pretrain(tmp_path / "run", "train.max_steps=6", fault="kill@3:r1")
+    text = result.stdout + result.stderr
+    assert result.returncode == 1, text[-3000:]
+    assert "worker rank 1 failed (killed by SIGKILL); the other workers stopped with it." in text
+    assert "Connection reset" not in text and "worker rank 0" not in text and "Traceback" not in text
 
 
 def optimizer_state(checkpoint: Path, scratch: Path) -> dict[str, dict[str, torch.Tensor]]:

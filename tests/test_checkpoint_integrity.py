@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import resource
 import shutil
 import signal
 import subprocess
@@ -122,6 +123,41 @@ def test_pruning_never_takes_the_last_intact_checkpoint(ref, tmp_path):
 
 
 # -- falling back ------------------------------------------------------------------------------------
+
+
+def test_an_export_says_when_its_checkpoint_was_pruned_or_the_disk_ran_out(ref, tmp_path, monkeypatch):
+    """A training in the run folder pruned the checkpoint export was reading (during its verification, or
+    while it read the tensors): said as such, not "damaged". Out of room: one paragraph, nothing left."""
+    from muonrun.tools import export
+
+    def pruning(real):
+        def first_pruned(checkpoint, *args, **kwargs):
+            gone = checkpoint.with_name(f"{checkpoint.name}.deleting")  # as prune() renames, then deletes
+            checkpoint.rename(gone)
+            shutil.rmtree(gone)
+            return real(checkpoint, *args, **kwargs)
+
+        return first_pruned
+
+    for stage in ("verify", "load_model_tensors"):
+        run = copy_of(ref, tmp_path / stage)
+        with monkeypatch.context() as m:
+            m.setattr(export, stage, pruning(getattr(export, stage)))
+            code, text = cli("export", str(run / "checkpoints" / "step-4"), str(tmp_path / f"hf-{stage}"))
+        assert code == 2 and "step-4' was deleted while export read it: a training running in its run" in text
+        assert "damaged" not in text and not (tmp_path / f"hf-{stage}").exists(), text
+
+    limited = subprocess.run(  # a file-size limit in the exporting process: safetensors' write fails
+        [sys.executable, "-m", "muonrun", "export", str(ref), str(tmp_path / "hf")],
+        capture_output=True, text=True, env=cli_env(), timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, resource.RLIM_INFINITY)),
+    )  # fmt: skip
+    text = " ".join(limited.stderr.split())
+    assert (
+        limited.returncode == 2 and "Exporting into" in text and "a file outgrew the file-size limit" in text
+    )
+    assert "the file-size limit (ulimit -f) is 256.0 KiB" in text and "Traceback" not in limited.stderr, text
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".hf", "hf"))]
 
 
 @pytest.mark.slow

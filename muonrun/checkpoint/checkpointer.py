@@ -57,6 +57,7 @@ from muonrun.checkpoint.resume import (
     set_aside_later_steps,
     started_from,
 )
+from muonrun.checkpoint.room import save_room
 from muonrun.checkpoint.safe import load_rank_state, safe_load
 from muonrun.checkpoint.stop import StopFlag
 from muonrun.config import CheckpointConfig
@@ -184,6 +185,10 @@ class Checkpointer:
         synchronously even with checkpoint.async_save (the run ends right after)."""
         self._finish_pending()
         final, tmp = self.root / f"step-{step}", self.root / f"step-{step}.tmp"
+        with save_room(step, tmp, self.root, self._published):
+            return self._save(step, tokens_seen, last, final, tmp)
+
+    def _save(self, step: int, tokens_seen: int, last: bool, final: Path, tmp: Path) -> Path:
         if self.dist.is_main:
             remove_own(tmp)
             tmp.mkdir(parents=True)
@@ -225,6 +230,10 @@ class Checkpointer:
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
+        with save_room(self._pending.step, self._pending.tmp, self.root, self._published):
+            self._publish_pending()
+
+    def _publish_pending(self) -> None:
         pending, self._pending = self._pending, None
         started = time.perf_counter()
         own = pending.hashed.result()

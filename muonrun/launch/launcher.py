@@ -268,13 +268,16 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path, checkpoint: C
     (control / "tmp").mkdir()
     tmp, tempfile.tempdir = tempfile.tempdir, str(control / "tmp")
     try:
-        with Supervisor(control, output_dir, plan.max_restarts, checkpoint.resume_from, checkpoint.init_from):
+        supervisor = Supervisor(
+            control, output_dir, plan.max_restarts, checkpoint.resume_from, checkpoint.init_from
+        )
+        with supervisor:
             elastic_launch(lc, worker_entry)(config_yaml)
         code = 0
     except WorkersReported:
         code = report_worker_errors(control / "reports") or 1
     except ChildFailedError as e:
-        code = report_worker_errors(control / "reports") or _report_failure(e)
+        code = report_worker_errors(control / "reports") or _report_failure(e, supervisor.cause())
     except SignalException as e:
         log.error(f"got {e.sigval.name}: the workers were stopped without saving.")
         code = 128 + int(e.sigval)
@@ -301,12 +304,23 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path, checkpoint: C
     return code
 
 
-def _report_failure(e) -> int:
-    """A worker crashed (nothing reported): one paragraph on the first failure, exit code 1."""
+def _report_failure(e, cause: tuple[int, str] | None = None) -> int:
+    """A worker crashed (nothing reported): one paragraph on the failure that caused it, exit code 1.
+    `cause` (the supervisor's, `Supervisor.cause`): a worker killed by a signal, which is named rather
+    than a peer that exited with an error because of it (its lost connection: gloo's "Connection reset
+    by peer")."""
+    killed = [(rank, f.signal_name()) for rank, f in sorted(e.failures.items()) if f.exitcode < 0]
+    cause = cause or (killed[0] if killed else None)
+    if cause is not None:
+        rank, signal_name = cause
+        log.error(
+            f"worker rank {rank} failed (killed by {signal_name}); the other workers stopped with it. A rerun "
+            "resumes from the latest checkpoint."
+        )
+        return 1
     rank, failure = e.get_first_failure()
-    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
     message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-    log.error(f"worker rank {rank} failed ({how}).\n{message}".rstrip())
+    log.error(f"worker rank {rank} failed (exit code {failure.exitcode}).\n{message}".rstrip())
     return 1
 
 

@@ -37,6 +37,7 @@ from muonrun import log
 from muonrun.checkpoint.stop import TERMINAL_SIGNALS, Quit, detach_from_terminal
 from muonrun.errors import UserError
 from muonrun.launch.worker import REPORTED, REPORTS
+from muonrun.observe.console import LIVE_VIEW_FILE
 
 
 class WorkersReported(Exception):  # noqa: N818 (an event, not an error of the launcher's)
@@ -112,6 +113,7 @@ class Supervisor:
         self._announced: set[int] = set()  # attempts whose failure was announced
         self._lock = threading.Lock()  # the waiters of one attempt's workers may fire together
         self._exits: dict[int, tuple[int, int]] = {}  # pid: (si_code, si_status), kept by _child_exited
+        self._seen: dict[int, tuple[float, bool, int]] = {}  # pid: (when its exit was seen, killed, status)
         self._mask: set[signal.Signals] | None = None  # this thread's signal mask before __enter__
 
     def __enter__(self) -> Supervisor:
@@ -160,11 +162,17 @@ class Supervisor:
         if self._stop_signal is not None:
             return
         self._stop_signal = signum
-        log.info(
-            f"got {signal.Signals(signum).name}: the workers save a checkpoint within two steps (the "
-            "ranks agree on one first), then stop."
-        )
+        if not self._view_speaks():
+            log.info(
+                f"got {signal.Signals(signum).name}: the workers save a checkpoint within two steps (the "
+                "ranks agree on one first), then stop."
+            )
         self._forward(signum)
+
+    def _view_speaks(self) -> bool:
+        """Whether rank 0's live view runs on this terminal, and says what a stop request does: a line
+        written here would break its redrawn footer (muonrun/observe/console.py)."""
+        return (self.control / LIVE_VIEW_FILE).exists()
 
     def _forward(self, signum: int) -> None:
         """To the workers (this process's children) that registered, whose handlers record it. One still
@@ -180,11 +188,12 @@ class Supervisor:
         """Ctrl-C, which the workers ignore: they get it only through here."""
         self._interrupts += 1
         if self._interrupts == 1:
-            print(flush=True)  # past the ^C the terminal echoed
-            log.info(
-                "Ctrl-C: the workers save a checkpoint within two steps, then stop "
-                "(Ctrl-C again stops at once, without saving)."
-            )
+            if not self._view_speaks():
+                print(flush=True)  # past the ^C the terminal echoed
+                log.info(
+                    "Ctrl-C: the workers save a checkpoint within two steps, then stop "
+                    "(Ctrl-C again stops at once, without saving)."
+                )
             if self._stop_signal is None:
                 self._stop_signal = signal.SIGTERM
                 self._forward(signal.SIGTERM)
@@ -226,6 +235,7 @@ class Supervisor:
                     continue
                 if info is not None:
                     self._exits[pid] = (info.si_code, info.si_status)
+                    self._saw(pid, info.si_code, info.si_status)
 
     def _watch_exits(self) -> None:
         """Start a waiter for each worker as it registers."""
@@ -255,9 +265,29 @@ class Supervisor:
             if pid not in self._exits:
                 return
             code, status = self._exits[pid]
-        killed = code in (os.CLD_KILLED, os.CLD_DUMPED)
+        killed = self._saw(pid, code, status)
         if killed or status:
             self._failed(self._entry(pid), status, killed)
+
+    def _saw(self, pid: int, code: int, status: int) -> bool:
+        """Note when worker `pid`'s exit was first seen (for `cause`); whether a signal killed it."""
+        killed = code in (os.CLD_KILLED, os.CLD_DUMPED)
+        self._seen.setdefault(pid, (time.monotonic(), killed, status))
+        return killed
+
+    def cause(self) -> tuple[int, str] | None:
+        """(rank, signal name) of the worker whose death by a signal ended the job, or None: the first
+        worker seen to exit, or one killed within PEER_GRACE_S of it (its peers then fail in a
+        collective with it, "Connection reset by peer", and may exit first)."""
+        if not self._seen:
+            return None
+        first = min(when for when, _, _ in self._seen.values())
+        killed = sorted((when, pid, status) for pid, (when, k, status) in self._seen.items() if k)
+        for when, pid, status in killed:
+            entry = self._entry(pid)
+            if when - first <= PEER_GRACE_S and "rank" in entry:
+                return entry["rank"], _signal_name(status)
+        return None
 
     def _entry(self, pid: int) -> dict:
         with contextlib.suppress(OSError, ValueError):

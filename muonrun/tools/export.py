@@ -6,6 +6,7 @@ run's features applied (a LoRA run's adapters merged, or written alone with `--a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from muonrun.checkpoint import (
 from muonrun.config import Config
 from muonrun.errors import UserError
 from muonrun.features import ExportJob, enabled
-from muonrun.paths import unwritable
+from muonrun.paths import out_of_room, out_of_room_message, room_left_in, unwritable
 
 
 def read_run_config(checkpoint: Path) -> Config:
@@ -129,8 +130,13 @@ def export_hf(
     needs CPU memory for one full copy of the model in `dtype` (LoRA: in float32 as well). `shown_as`:
     the path the folder's README names, where it is written elsewhere first."""
     checkpoint = resolve_checkpoint(checkpoint)
-    verdict = verify(checkpoint)
-    if not verdict.ok:
+    try:
+        verdict = verify(checkpoint)
+    except FileNotFoundError:  # its folder went while it was read
+        verdict = None
+    if verdict is None or not verdict.ok:
+        if not checkpoint.is_dir():
+            raise pruned(checkpoint)
         raise verdict.error()
     out = Path(out)
     if out.is_symlink():  # written where the link points, which it keeps naming
@@ -140,7 +146,21 @@ def export_hf(
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        _export(checkpoint, staging, dtype, adapter_only, shown_as or out)
+        try:
+            _export(checkpoint, staging, dtype, adapter_only, shown_as or out)
+        except Exception as e:
+            if not checkpoint.is_dir():
+                raise pruned(checkpoint) from None
+            number = out_of_room([e]) or room_left_in(staging)
+            if number is None:
+                raise
+            needed = model_bytes(checkpoint, dtype)
+            if number == errno.EFBIG:  # the largest file: the whole model up to a shard's size
+                needed = min(needed, 5 * 10**9)
+            raise UserError(
+                out_of_room_message(number, "Exporting", out, needed)
+                + " Nothing was written (the partial export was removed)."
+            ) from None
         with_user_modes(staging)
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -175,6 +195,30 @@ def with_user_modes(folder: Path) -> None:
             path = os.path.join(root, name)
             if not os.path.islink(path):
                 os.chmod(path, 0o666 & ~mask)
+
+
+def model_bytes(checkpoint: Path, dtype: str) -> int:
+    """The bytes of a checkpoint's model weights in `dtype` (what an export writes), from its metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from muonrun.checkpoint.safe import SafeReader
+
+    meta = SafeReader(str(checkpoint)).read_metadata().state_dict_metadata
+    size = getattr(torch, dtype).itemsize
+    return sum(
+        m.size.numel() * size
+        for key, m in meta.items()
+        if key.startswith("model.lm.") and isinstance(m, TensorStorageMetadata)
+    )
+
+
+def pruned(checkpoint: Path) -> UserError:
+    """A checkpoint that went while export read it: a training in its run folder pruned it."""
+    return UserError(
+        f"Checkpoint '{checkpoint}' was deleted while export read it: a training running in its run folder "
+        "pruned it (it keeps the newest checkpoint.keep_last). Export again: a run folder exports its newest "
+        "checkpoint. Nothing was written."
+    )
 
 
 def as_trained(hf_config, checkpoint: Path):
