@@ -7,7 +7,9 @@
 # study), ADAMW_LRS, MUON_LRS, NORMUON_LRS (an empty list skips that optimizer), SEEDS (train.seed
 # values, each sweep point runs once per seed), STEPS (train.max_steps; default the presets'), GPUS (how many
 # GPUs), JOBS (how many runs at once, spread over the GPUs; more than GPUS shares a GPU between runs,
-# which keeps a big GPU busy while another run starts or evaluates), EXTRA (overrides for every run).
+# which keeps a big GPU busy while another run starts or evaluates), EXTRA (overrides for every run),
+# DOWNSTREAM (1, the default: every run also scores the multiple-choice tasks that muonrun.eval.text_tasks
+# makes from the held-out model folders m*-n* into OUT_DIR/tasks, docs/evals.md; 0: the loss alone).
 # The best learning rate of each optimizer is the one with the lowest final eval loss averaged over
 # the seeds; the comparison shows the lowest seed's run at that learning rate.
 set -euo pipefail
@@ -23,6 +25,12 @@ jobs_at_once=${JOBS:-$gpus}
 extra=${EXTRA:-}
 mkdir -p "$out"
 rm -f "$out/failed.txt"
+tasks=()
+if [[ ${DOWNSTREAM:-1} == 1 ]]; then
+  held_out="$(python3 -c 'import pathlib, transformers; print(pathlib.Path(transformers.__file__).parent)')/models/[m-n]*/*.py"
+  python3 -m muonrun.eval.text_tasks "$held_out" "$out/tasks" --examples 500
+  tasks=("eval.tasks=[{name: ending, path: $out/tasks/ending.jsonl},{name: last_word, path: $out/tasks/last_word.jsonl}]")
+fi
 
 # Interleaved (AdamW, Muon, NorMuon at each list position in turn), so runs that go together finish
 # together: list the learning rates you trust most first.
@@ -45,7 +53,7 @@ failed=()
 for job in "${jobs[@]}"; do
   read -r preset name overrides <<<"$job"
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 -m muonrun pretrain "$preset" $overrides $extra "name=$name" \
+  CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 -m muonrun pretrain "$preset" $overrides $extra "${tasks[@]}" "name=$name" \
     "output_dir=$out/$name" $steps logging.console=plain --nproc-per-node 1 \
     >"$out/$name.log" 2>&1 || echo "$name" >>"$out/failed.txt" &
   i=$((i + 1))

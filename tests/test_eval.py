@@ -281,6 +281,11 @@ def test_muonrun_eval_on_the_checkpoint_gives_the_loops_accuracies_and_compare_s
         assert row["step"] == 90 and row["examples"] == examples and row["num_fewshot"] == 0
         assert row["acc"] == final[f"eval_acc_{task}"], (row, final)
         assert row["acc_norm"] == final[f"eval_acc_norm_{task}"], (row, final)
+    # the run's own export: its tasks come from the run's config; its rows from the export carry no step
+    ok(muonrun("export", str(run), str(run / "hf")))
+    ok(muonrun("eval", str(run / "hf"), "--tasks", "ending"))
+    exported = json.loads((run / "harness.jsonl").read_text().splitlines()[-1])
+    assert (exported["task"], exported["step"], exported["acc"]) == ("ending", None, final["eval_acc_ending"])
     rows = compare([run], tmp_path / "c.png")
     table = (tmp_path / "c.md").read_text()
     assert (

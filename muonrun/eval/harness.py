@@ -50,8 +50,14 @@ def resolve_target(path: str) -> Target:
 
     given = Path(path)
     if (given / "config.json").is_file() and not (given / "checkpoints").is_dir():
-        run = given.parent if (given.parent / "metrics.jsonl").is_file() else given
-        return Target(None, given, run)
+        if not (given.parent / "metrics.jsonl").is_file():
+            return Target(None, given, given)
+        # a run's own export (OUTPUT_DIR/hf): the run's config names its tasks, sequence length, tokenizer
+        from muonrun.config import from_yaml
+
+        saved = given.parent / "config.yaml"
+        config = from_yaml(saved.read_text(), source=f"file '{saved}'") if saved.is_file() else None
+        return Target(None, given, given.parent, config)
     from muonrun.tools.export import read_run_config
 
     checkpoint = resolve_checkpoint(given)  # a UserError naming the path when it holds none
@@ -220,7 +226,12 @@ def run_eval(
             "tokens_seen": target.tokens_seen,
             "examples": n,
             "num_fewshot": num_fewshot or 0,
-            **{key.removesuffix(",none"): v for key, v in metrics.items() if isinstance(v, int | float)},
+            # the harness's "metric,filter" keys; the default filter's without its suffix
+            **{
+                k.removesuffix(",none"): v
+                for k, v in metrics.items()
+                if "," in k and isinstance(v, int | float)
+            },
             "source": str(target.checkpoint or target.folder),
             "lm_eval": lm_eval.__version__,
             "time": time.time(),
