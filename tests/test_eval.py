@@ -155,8 +155,8 @@ def test_every_rank_runs_the_same_forwards_and_each_request_is_scored_once():
     requests = [Request(tuple(range(3 + i % 5)), 1 + i % 2) for i in range(23)]
     seen = []
     for rank in range(3):
-        out = list(batches(requests, rank, 3, 4, pad=0))
-        assert len(out) == 2 and all(ids.shape == (4, 6) for _, ids, _, _ in out)  # 8 rows each, padded
+        out = list(batches(requests, rank, 3, 4, pad=0, length=9))
+        assert len(out) == 2 and all(ids.shape == (4, 9) for _, ids, _, _ in out)  # 8 rows each, padded
         for index, ids, labels, mask in out:
             for row, i in enumerate(index.tolist()):
                 if i < 0:

@@ -6,7 +6,8 @@
 
 Modules: tasks.py (files -> checked examples), scoring.py (requests, batches over ranks, acc and
 acc_norm as the harness computes them), harness.py (`muonrun eval`), byte_tokenizer.py (the byte
-tokenizer as a transformers tokenizer, for the harness). docs/evals.md; `pytest tests/test_eval.py`.
+tokenizer as a transformers tokenizer, for the harness), text_tasks.py (tasks made from local text).
+docs/evals.md; `pytest tests/test_eval.py`.
 """
 
 from __future__ import annotations

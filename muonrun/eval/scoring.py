@@ -8,7 +8,7 @@ token log-probabilities. `acc`: the example's right choice has the largest; `acc
 after dividing by the choice's length in characters (ties go to the first, as numpy's argmax).
 
 The requests are split over the data-parallel ranks in equal shares, padded with empty requests, and
-run in batches of one shape per task, so every rank runs the same forwards (FSDP2's all-gathers need
+run in batches of one shape, so every rank runs the same forwards (FSDP2's all-gathers need
 every rank); one all-reduce brings the log-likelihoods together.
 """
 
@@ -85,10 +85,9 @@ def accuracies(examples: tuple[Example, ...], lls: np.ndarray) -> tuple[float, f
     return acc / len(examples), norm / len(examples)
 
 
-def batches(requests: list[Request], rank: int, world: int, batch_size: int, pad: int):
+def batches(requests: list[Request], rank: int, world: int, batch_size: int, pad: int, length: int):
     """This rank's share of `requests` as (global index of each row or -1, input ids, labels, mask of the
-    continuation's positions) batches: as many batches of one shape [batch_size, L] on every rank."""
-    length = max(len(r.tokens) for r in requests) - 1
+    continuation's positions) batches: as many batches of one shape [batch_size, length] on every rank."""
     share = -(-len(requests) // world)
     mine = list(range(rank * share, min((rank + 1) * share, len(requests))))
     rows = -(-share // batch_size) * batch_size
@@ -117,6 +116,8 @@ class TaskSet:
         self.requests = [requests_of(task, encoder, max_len) for task in tasks]
         self.batch_size = batch_size
         self.pad = tok.eos_token_id
+        # one shape for every task's batches: a compiled model (parallel.compile) compiles it once
+        self.length = max(len(r.tokens) for requests in self.requests for r in requests) - 1
 
     @torch.no_grad()
     def score(self, model, device: torch.device, dp_rank: int = 0, dp_size: int = 1) -> dict[str, float]:
@@ -126,7 +127,8 @@ class TaskSet:
         for requests in self.requests:
             ll = torch.zeros(len(requests), dtype=torch.float64)
             count = torch.zeros(len(requests), dtype=torch.float64)
-            for index, ids, labels, mask in batches(requests, dp_rank, dp_size, self.batch_size, self.pad):
+            shares = batches(requests, dp_rank, dp_size, self.batch_size, self.pad, self.length)
+            for index, ids, labels, mask in shares:
                 logp = model(ids.to(device), labels.to(device), per_token=True)
                 total = (logp * mask.to(device)).sum(dim=1).double().cpu()
                 real = index >= 0
