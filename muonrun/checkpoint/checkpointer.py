@@ -51,6 +51,7 @@ from muonrun.checkpoint.resume import (
     changed_settings,
     check_architecture,
     check_identity,
+    check_model_state,
     check_settings,
     load_order,
     resume_key,
@@ -411,10 +412,12 @@ class Checkpointer:
             return path
         check_settings(path, self.config_yaml)  # first: it names the settings, where they changed
         check_architecture(path, self.architecture, kind)
+        check_model_state(path, set(self.states["model"].state_dict()), self.config_yaml)
         self._dcp_load(dict(self.states), path)
         own = load_rank_state(rank_state_file(path, self.dist.rank, self.dist.world_size))
         for key, part in self.rank_states.items():
-            part.load_state_dict(own[key])
+            if key in own or not getattr(part, "optional", False):  # optional: absent from older checkpoints
+                part.load_state_dict(own[key])
         step = int(self.states["train"].state_dict()["step"])
         self._published = step
         if self.cfg.resume_from:

@@ -188,6 +188,40 @@ def check_settings(path: Path, config_yaml: str | None) -> None:
         )
 
 
+def check_model_state(path: Path, keys: set[str], config_yaml: str | None) -> None:
+    """The model state a checkpoint holds must be this run's, key for key: a tensor only the checkpoint
+    has would be dropped without a word (a feature's state, such as the router biases of
+    train.router_bias_update_rate, turned off since), one only this run has cannot be resumed (turned on
+    since). Refused naming the tensors and the settings that changed since the save."""
+    from muonrun.checkpoint.safe import SafeReader
+
+    meta = SafeReader(str(path)).read_metadata().state_dict_metadata
+    saved = {k[len("model.") :] for k in meta if k.startswith("model.")}
+    dropped, lacking = sorted(saved - keys), sorted(keys - saved)
+    if not dropped and not lacking:
+        return
+    what = []
+    if dropped:
+        what.append(f"it holds model state this run does not have and would drop: {_listed(dropped)}")
+    if lacking:
+        what.append(f"this run has model state it does not hold: {_listed(lacking)}")
+    changed = []
+    saved_config = path / CONFIG
+    if config_yaml is not None and saved_config.is_file():
+        changed = differences(saved_config.read_text(), config_yaml, ("model", "train", "parallel"))
+        changed = [c for c in changed if not c.startswith(("train.max_steps:", "train.eval_"))]
+    since = (
+        f"These settings changed since it was saved (saved -> now): {_listed(changed)}; set back the one "
+        "that turned that state on or off"
+        if changed
+        else "Resume with the settings it was saved with"
+    )
+    raise UserError(
+        f"Checkpoint '{path}' does not hold this run's model state: {'; and '.join(what)}. {since}, or start a "
+        "new output_dir (checkpoint.init_from loads weights only)."
+    )
+
+
 def changed_settings(path: Path, config_yaml: str | None) -> str:
     """The model/optimizer settings in which this run differs from the config the checkpoint was saved
     with (a sentence, or nothing when the checkpoint carries no config)."""

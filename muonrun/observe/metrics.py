@@ -90,14 +90,52 @@ def ramp_text(t) -> str:
     )
 
 
+class LossWindow:
+    """This rank's loss summed over the steps since the last logged one, and their count. It is part of
+    the rank's checkpoint state (rankR.pt), so the first row after a resume averages the same steps as an
+    uninterrupted run's, bit for bit, even when the save fell between logged steps (a preemption). A
+    rank's losses are its own: a resume on another number of ranks starts the window empty (the first
+    row then averages the steps since the resume)."""
+
+    optional = True
+    """Checkpoints saved before the window was kept have none: their resume starts it empty."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
+        self.sum: torch.Tensor | None = None
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        loss = loss.detach()
+        self.sum = loss if self.sum is None else self.sum.to(loss.device) + loss
+        self.steps += 1
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """The window's sum and step count, emptying it (a logged step)."""
+        taken, self.sum, self.steps = (self.sum, self.steps), None, 0
+        return taken
+
+    def state_dict(self) -> dict:
+        held = None if self.sum is None else self.sum.detach().cpu()
+        return {"sum": held, "steps": self.steps, "rank": self.rank, "world_size": self.world_size}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if (sd.get("rank"), sd.get("world_size")) == (self.rank, self.world_size):
+            self.sum, self.steps = sd["sum"], int(sd["steps"])
+
+
 class Metrics:
     """What the trainer reports to: `start` once, `record` every step, `log_eval` after evaluations,
-    `note` for messages, `close` at the end. Only rank 0 writes files; every rank joins the reductions."""
+    `note` for messages, `close` at the end. Only rank 0 writes files; every rank joins the reductions.
+    `loss_window`: the logged loss's running sum, checkpointed by the trainer (a fresh one by default)."""
 
-    def __init__(self, cfg: Config, d: Dist, flops_per_token: float, model=None):
+    def __init__(
+        self, cfg: Config, d: Dist, flops_per_token: float, model=None, loss_window: LossWindow | None = None
+    ):
         self.cfg = cfg
         self.dist = d
         self.model = model
+        self.loss_window = loss_window or LossWindow(d.rank, d.world_size)
         self.flops_per_token = flops_per_token
         self.precision = matmul_precision(cfg.parallel.param_dtype, d.device.type)
         self.device_name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
@@ -134,7 +172,6 @@ class Metrics:
         self._window_wait = 0.0
         self._window_paused = 0.0
         self._window_optimizer: list[Callable[[], float]] = []
-        self._loss_sum: torch.Tensor | None = None
 
     def tokens_at_max_steps(self, state) -> int:
         """The tokens seen when the run reaches train.max_steps: those seen so far (restored from the
@@ -280,7 +317,7 @@ class Metrics:
         self._window_wait += data_wait
         if optimizer_time is not None:
             self._window_optimizer.append(optimizer_time)
-        self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
+        self.loss_window.add(loss)
         if self.view is not None:
             self.view.advance(state.step)
         if not log:
@@ -288,9 +325,8 @@ class Metrics:
             return
         now = time.perf_counter()
         device = loss.device
-        mean = all_reduce_mean(
-            torch.stack([self._loss_sum / self._window_steps, grad_norm.detach().float().to(device)])
-        )
+        loss_sum, loss_steps = self.loss_window.take()
+        mean = all_reduce_mean(torch.stack([loss_sum / loss_steps, grad_norm.detach().float().to(device)]))
         memory = memory_numbers(self.dist.device)
         extra = [v.detach().float().reshape(1).to(device) for v in (telemetry or {}).values()]
         worst = all_reduce_max(torch.cat([to_device([self._window_wait, *memory.values()], device), *extra]))

@@ -26,7 +26,7 @@ from muonrun.model.build import flops_per_token as model_flops_per_token
 from muonrun.model.hf import load_pretrained
 from muonrun.model.moe import router_aux_loss_coef
 from muonrun.model.parallelize import parallelize
-from muonrun.observe.metrics import Metrics, optimizer_telemetry
+from muonrun.observe.metrics import LossWindow, Metrics, optimizer_telemetry
 from muonrun.observe.profiling import StepProfiler, phase
 from muonrun.optim.build import build_optimizers
 from muonrun.tools.export import export_replacing
@@ -135,6 +135,7 @@ class Trainer:
         # weights.
         frozen = any(not p.requires_grad for p in self.model.parameters())
         config_yaml = to_yaml(cfg)
+        self.loss_window = LossWindow(self.dist.rank, self.dist.world_size)  # checkpointed: exact rows
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
             Path(cfg.output_dir) / "checkpoints",
@@ -144,7 +145,7 @@ class Trainer:
                 "optim": OptimizerState(self.model, self.optimizers),
                 "train": self.state,
             },
-            rank_states={"loader": self.loader, "rng": RNGState(self.dist.device)},
+            rank_states={"loader": self.loader, "rng": RNGState(self.dist.device), "loss": self.loss_window},
             identity={k: v for f in self.features for k, v in f.identity(self.dist).items()},
             config_yaml=config_yaml,
             architecture=architecture_of(self.hf_config),
@@ -162,7 +163,9 @@ class Trainer:
         except BaseException:
             self.checkpointer.close()  # gives the signal handlers back: no Trainer exists to close it
             raise
-        if self.dist.is_main:  # only now: a run refused while loading leaves the folder's config as it was
+        # A finished run rerun trains nothing and changes nothing in its folder (config, metrics, export).
+        self.complete = self.state.step >= cfg.train.max_steps
+        if self.dist.is_main and not self.complete:  # only now: a run refused at load leaves the config be
             write_run_config(Path(cfg.output_dir), config_yaml)
         fpt = model_flops_per_token(self.hf_config, cfg.data.seq_len)
         self.metrics = Metrics(
@@ -170,6 +173,7 @@ class Trainer:
             self.dist,
             flops_per_token=flops_per_token(self.features, fpt, self.model.lm),
             model=self.model.lm,
+            loss_window=self.loss_window,
         )
 
     def accum_steps(self) -> int:
@@ -279,14 +283,15 @@ class Trainer:
     def train(self) -> None:
         cfg = self.cfg
         self.model.train()
-        self.metrics.start(self.state)
-        profiler = StepProfiler(cfg, self.dist)
-        if self.state.step >= cfg.train.max_steps:
+        if self.complete:
             self.metrics.note(
                 f"Nothing to train: this run is complete at step {self.state.step} (train.max_steps="
-                f"{cfg.train.max_steps}). Raise train.max_steps to train on, or set name (or output_dir) "
-                "for a new run."
+                f"{cfg.train.max_steps}); its folder is left as it was. Raise train.max_steps to train on, or "
+                "set name (or output_dir) for a new run."
             )
+            return
+        self.metrics.start(self.state)
+        profiler = StepProfiler(cfg, self.dist)
         try:
             while self.state.step < cfg.train.max_steps:
                 accum = self.accum_steps()
@@ -327,7 +332,7 @@ class Trainer:
         """After training ended normally (collective): publish a pending async save; export if asked."""
         self.checkpointer.finish()
         step, cfg = self.state.step, self.cfg
-        if cfg.checkpoint.export_at_end and step >= cfg.train.max_steps:
+        if cfg.checkpoint.export_at_end and step >= cfg.train.max_steps and not self.complete:
             if self.dist.is_main:
                 out = export_replacing(
                     Path(cfg.output_dir) / "checkpoints" / f"step-{step}", Path(cfg.output_dir) / "hf"
