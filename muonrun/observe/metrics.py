@@ -23,7 +23,7 @@ import torch
 
 from muonrun.config import Config
 from muonrun.distributed import Dist, HostCopy, all_reduce_max, all_reduce_mean, to_device
-from muonrun.observe.console import make_view
+from muonrun.observe.console import make_view, summary_rows
 from muonrun.observe.environment import git_sha, gpu_names, library_versions
 from muonrun.observe.mfu import lookup_peak_tflops, matmul_precision
 from muonrun.observe.sinks import make_sinks
@@ -160,6 +160,8 @@ class Metrics:
         self._tokens_mark = 0
         self._t0 = time.perf_counter()
         self._pending: PendingRow | None = None
+        self._last_loss: float | None = None  # the latest logged loss and eval loss, for the summary
+        self._last_eval_loss: float | None = None
         self._reset_window()
 
     def _reset_window(self, start: float | None = None) -> None:
@@ -380,8 +382,14 @@ class Metrics:
                 pending.optimizer_times
             )
         self._write(row)
+        self._last_loss = row["loss"]
         if self.view is not None:
             self.view.step(row, self.cfg.train.max_steps, pending.eta)
+
+    def flush(self) -> None:
+        """Write the row the last logged step queued now, before a line that must follow it (its
+        checkpoint's): reading it waits for that step's reductions, which a save waits for anyway."""
+        self._flush()
 
     def log_eval(self, state, values: dict[str, float]) -> None:
         """An eval row. The evaluation ran since the last `record`; its time is kept out of step_time."""
@@ -396,6 +404,7 @@ class Metrics:
             "time": time.time(),
         }
         self._write(row)
+        self._last_eval_loss = values.get("eval_loss", self._last_eval_loss)
         if self.view is not None:
             self.view.eval(row)
 
@@ -403,6 +412,25 @@ class Metrics:
         self._flush()
         if self.view is not None:
             self.view.note(msg)
+
+    def summary(self, state, checkpoint: Path | None, exported: Path | None) -> None:
+        """The run's last lines, on rank 0's view: where it ended, its final loss, this launch's time, its
+        newest checkpoint and how to export it (`exported`: where checkpoint.export_at_end wrote it)."""
+        self._flush()
+        if not self.dist.is_main or self.view is None:
+            return
+        rows = summary_rows(
+            state.step,
+            self.cfg.train.max_steps,
+            time.perf_counter() - self._t0,
+            self._last_loss,
+            self._last_eval_loss,
+            None if checkpoint is None else str(checkpoint),
+            None if exported is None else str(exported),
+            self.cfg.output_dir,
+            self.cfg.name,
+        )
+        self.view.summary(rows)
 
     def _write(self, row: dict) -> None:
         for sink in self.sinks:

@@ -319,6 +319,7 @@ class Trainer:
                     self.metrics.log_eval(self.state, self.evaluate())
                 if self.checkpointer.due(step, last):
                     self.settle()  # never save a step some rank found non-finite
+                    self.metrics.flush()  # the step's row first, then its checkpoint's line
                 if self.checkpointer.after_step(step, self.state.tokens_seen, last):
                     self.metrics.note(
                         f"Stopped by signal after step {step}; checkpoint saved. Rerun to resume."
@@ -332,13 +333,16 @@ class Trainer:
         """After training ended normally (collective): publish a pending async save; export if asked."""
         self.checkpointer.finish()
         step, cfg = self.state.step, self.cfg
+        out = None
         if cfg.checkpoint.export_at_end and step >= cfg.train.max_steps and not self.complete:
             if self.dist.is_main:
                 out = export_replacing(
                     Path(cfg.output_dir) / "checkpoints" / f"step-{step}", Path(cfg.output_dir) / "hf"
                 )
-                self.metrics.note(f"Exported a Hugging Face model to {out}")
             torch.distributed.barrier()
+        newest = self.checkpointer.published_step
+        checkpoint = None if newest is None else Path(cfg.output_dir) / "checkpoints" / f"step-{newest}"
+        self.metrics.summary(self.state, checkpoint, out)
 
     def close(self) -> None:
         self.metrics.close()
