@@ -6,6 +6,7 @@ in-process worker (no environment: a world of one).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,24 +30,55 @@ class Dist:
     world_size: int
     device: torch.device
     mesh: DeviceMesh
-    """1-D mesh ("dp_shard",) for FSDP, or 2-D ("dp_replicate", "dp_shard") for HSDP."""
+    """The mesh, outermost axis first: ("dp_shard",) for FSDP, ("dp_replicate", "dp_shard") for HSDP,
+    either with "tp" innermost for tensor parallelism."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks (1: none)."""
+        return tp_mesh(self.mesh).size() if tp_mesh(self.mesh) is not None else 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads its own batches."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the tp ranks of one data-parallel rank share it (and their
+        batches). Ranks are laid out row-major over the mesh, tp innermost."""
+        return self.rank // self.tp
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The tensor-parallel axis of a muonrun mesh, or None."""
+    return mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel axes of a muonrun mesh (FSDP2 shards over them): all but "tp"."""
+    names = tuple(n for n in mesh.mesh_dim_names or () if n != "tp")
+    return mesh if len(names) == mesh.ndim else mesh[names]
+
 
 def mesh_shape(c: Config, world_size: int, how: str = "nnodes x nproc_per_node") -> tuple[int, int]:
-    """The (dp_replicate, dp_shard) mesh for this world size, or a UserError saying how to fix it.
-    dp_replicate=-1 means launch.nnodes; dp_shard=-1 takes what is left."""
+    """The (dp_replicate, dp_shard) axes for this world size (with parallel.tp innermost beside them), or
+    a UserError saying how to fix it. dp_replicate=-1 means launch.nnodes; dp_shard=-1 takes what is
+    left."""
+    tp = c.parallel.tp
     replicate = c.parallel.dp_replicate if c.parallel.dp_replicate != -1 else c.launch.nnodes
-    shard = c.parallel.dp_shard if c.parallel.dp_shard != -1 else world_size // replicate
-    if shard < 1 or replicate * shard != world_size:
+    shard = c.parallel.dp_shard if c.parallel.dp_shard != -1 else world_size // (replicate * tp)
+    if shard < 1 or replicate * shard * tp != world_size:
         shown = f"-1 (one per node: {replicate})" if c.parallel.dp_replicate == -1 else replicate
+        with_tp = f" x parallel.tp={tp}" if tp > 1 else ""
         raise UserError(
-            f"parallel.dp_replicate={shown} x parallel.dp_shard={c.parallel.dp_shard} does not fit a world "
-            f"of {world_size} workers ({how}). Make the product equal the world size, or set "
-            "parallel.dp_shard=-1 with a dp_replicate that divides it."
+            f"parallel.dp_replicate={shown} x parallel.dp_shard={c.parallel.dp_shard}{with_tp} does not fit a "
+            f"world of {world_size} workers ({how}). Make the product equal the world size, or set "
+            "parallel.dp_shard=-1 with a dp_replicate (and tp) that divides it."
         )
     return replicate, shard
 
@@ -109,11 +141,57 @@ def init_distributed(c: Config) -> Dist:
         else:
             dist.init_process_group(backend=backend, device_id=device_id)
     replicate, shard = mesh_shape(c, world)
-    if replicate == 1:
-        mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=("dp_shard",))
-    else:
-        mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    axes = [("dp_replicate", replicate)] if replicate > 1 else []
+    axes += [("dp_shard", shard)] + ([("tp", c.parallel.tp)] if c.parallel.tp > 1 else [])
+    mesh = init_device_mesh(
+        device_type, tuple(n for _, n in axes), mesh_dim_names=tuple(name for name, _ in axes)
+    )
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device, mesh=mesh)
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The ranks over which a tensor's local shards are split, and this rank's place among them."""
+
+    group: dist.ProcessGroup | None
+    """None: this rank holds the whole tensor."""
+    world: int
+    rank: int
+    axes: tuple[int, ...] = ()
+    """The mesh axes the tensor is split over."""
+
+
+WHOLE = ShardGroup(None, 1, 0)
+_FLATTENED: dict[tuple, dict[tuple[int, ...], dist.ProcessGroup]] = {}
+
+
+def shard_group(t: torch.Tensor) -> ShardGroup:
+    """Where a tensor's shards live: the process group of the mesh axes its DTensor placements split
+    (`Shard` and its strided form; `Replicate` axes hold copies), or WHOLE for a plain tensor or one
+    not split. Several split axes (FSDP2 over tensor parallelism) share one group over their product,
+    made on first use for every coordinate of the other axes (so every rank makes the same groups in the
+    same order); its ranks are in global rank order."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return WHOLE
+    mesh = t.device_mesh
+    axes = tuple(d for d, pl in enumerate(t.placements) if not isinstance(pl, Replicate) and mesh.size(d) > 1)
+    if not axes:
+        return WHOLE
+    if len(axes) == 1:
+        return ShardGroup(mesh.get_group(axes[0]), mesh.size(axes[0]), mesh.get_local_rank(axes[0]), axes)
+    ranks = mesh.mesh
+    key = (tuple(ranks.shape), tuple(ranks.flatten().tolist()), axes)
+    if key not in _FLATTENED:
+        other = [d for d in range(ranks.ndim) if d not in axes]
+        per_other = ranks.permute(*other, *axes).reshape(-1, math.prod(ranks.shape[d] for d in axes))
+        _FLATTENED[key] = {
+            tuple(sorted(row.tolist())): dist.new_group(sorted(row.tolist())) for row in per_other
+        }
+    me = dist.get_rank()
+    members = next(m for m in _FLATTENED[key] if me in m)
+    return ShardGroup(_FLATTENED[key][members], len(members), members.index(me), axes)
 
 
 def free_port() -> int:
@@ -172,6 +250,7 @@ def destroy(barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+    _FLATTENED.clear()  # their process groups went with the default one
 
 
 def release_process_groups() -> None:
@@ -186,4 +265,5 @@ def release_process_groups() -> None:
     if dist.is_initialized():
         return
     clear_mesh_caches()
+    _FLATTENED.clear()
     gc.collect()

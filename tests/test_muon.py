@@ -1111,26 +1111,29 @@ def test_rejects_bad_params():
         Muon([torch.zeros(2, 3)], variant="normuon", beta2=1.0)
 
 
-def test_rejects_tensor_parallel_placement():
+def test_refuses_a_partial_placement_and_steps_a_column_split_on_one_rank():
+    """A partial (unreduced) parameter cannot be orthogonalised: refused naming it. A column split on a
+    one-rank mesh (tensor parallelism of size 1) steps as torch.optim.Muon does."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
     if dist.is_initialized():
         pytest.skip("a process group already exists")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        tp = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)]))
-        with pytest.raises(ValueError, match=r"layers\.0\.weight.*Shard\(dim=1\)"):
-            Muon([("layers.0.weight", tp)])
-        ok = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]))
-        ref = ok.full_tensor().detach().clone().requires_grad_()
-        ok.grad = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])
-        ref.grad = torch.ones(4, 6)
-        Muon([ok], lr=LR).step()
-        TorchMuon([ref], lr=LR).step()
-        torch.testing.assert_close(ok.full_tensor(), ref.detach(), atol=1e-4, rtol=0)
+        partial = torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 6), mesh, [Partial()]))
+        with pytest.raises(ValueError, match=r"layers\.0\.weight.*Partial"):
+            Muon([("layers.0.weight", partial)])
+        for placement in (Shard(0), Shard(1)):
+            ok = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [placement]))
+            ref = ok.full_tensor().detach().clone().requires_grad_()
+            ok.grad = distribute_tensor(torch.ones(4, 6), mesh, [placement])
+            ref.grad = torch.ones(4, 6)
+            Muon([ok], lr=LR).step()
+            TorchMuon([ref], lr=LR).step()
+            torch.testing.assert_close(ok.full_tensor(), ref.detach(), atol=1e-4, rtol=0)
     finally:
         dist.destroy_process_group()
 

@@ -182,7 +182,13 @@ class ParallelConfig:
     -1: one replica per node (= launch.nnodes), each sharded over its node's workers."""
     dp_shard: int = -1
     """Ranks each parameter is sharded over: consecutive ranks, so the workers per node shards within a
-    node and replicates across nodes. -1: world_size / dp_replicate."""
+    node and replicates across nodes. -1: world_size / (dp_replicate x tp)."""
+    tp: int = 1
+    """Tensor-parallel ranks (the innermost mesh axis, so within a node): each decoder layer's attention
+    and MLP projections are split over them (the model's own `base_model_tp_plan` from transformers:
+    column-wise in, row-wise out), FSDP2 shards over the data-parallel axes, and the tp ranks of one
+    data-parallel rank read the same batch. It must divide the attention heads, the key-value heads
+    and launch.nproc_per_node. Pays for models whose layers outgrow FSDP alone (docs/clusters.md)."""
     reshard_after_forward: bool = True
     """Free the gathered parameters after forward (less memory, one more all-gather in backward)."""
     param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -214,6 +220,10 @@ class ParallelConfig:
                 raise UserError(
                     f"Config key '{key}' is {value}; it must be at least 1, or -1 (see `muonrun config docs`)."
                 )
+        if self.tp < 1:
+            raise UserError(
+                f"Config key 'parallel.tp' is {self.tp}; it must be at least 1 (1: no tensor parallelism)."
+            )
 
 
 @dataclass
@@ -451,5 +461,7 @@ class Config:
     """Multiple-choice tasks scored during training: `eval.*`."""
 
     def tokens_per_step(self, world_size: int) -> int:
-        """Training tokens of one optimizer step over all `world_size` ranks."""
-        return self.train.micro_batch_size * self.train.grad_accum_steps * self.data.seq_len * world_size
+        """Training tokens of one optimizer step over all `world_size` ranks (the tp ranks of one
+        data-parallel rank share its batch)."""
+        dp = world_size // self.parallel.tp
+        return self.train.micro_batch_size * self.train.grad_accum_steps * self.data.seq_len * dp

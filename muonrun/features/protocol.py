@@ -47,6 +47,9 @@ class Feature:
     `REGISTRY` (the profiler's phase for its `after_step`)."""
 
     name = "feature"
+    tensor_parallel = False
+    """Whether the feature works on tensor-parallel layers (`parallel.tp` above 1); a run that asks for
+    both is refused before any worker starts, naming the feature."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -84,6 +84,13 @@ def make_plan(cfg: Config) -> LaunchPlan:
             f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1)."
         )
     if plan.rdzv_endpoint and not plan.in_process:
+    tp = cfg.parallel.tp
+    if plan.nproc_per_node % tp:
+        raise UserError(
+            f"Config key 'parallel.tp' is {tp}, which does not divide the {plan.nproc_per_node} workers per "
+            "node: the tensor-parallel ranks of a layer exchange activations in every layer and must share a "
+            "node. Choose a tp that divides --nproc-per-node (launch.nproc_per_node)."
+        )
         check_endpoint_resolves(plan.rdzv_endpoint, plan.node_rank)
         if plan.node_rank == 0:
             check_endpoint_free(plan.rdzv_endpoint)
@@ -153,6 +160,7 @@ def launch(cfg: Config) -> int:
     if not plan.in_process:
         quiet_leak_warnings()  # before anything can start the resource tracker
     features = enabled(cfg)
+    from muonrun.model.tensor_parallel import check_tensor_parallel
     device_type = pick_device_type(cfg)
     for feature in features:
         feature.check(device_type)
@@ -170,6 +178,7 @@ def launch(cfg: Config) -> int:
     load_order(cfg.checkpoint.resume_from, cfg.checkpoint.init_from, out / "checkpoints")
     run_lock = claim_output_dir(out, plan.node_rank)  # before anything in output_dir is touched
     # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
+    check_tensor_parallel(cfg, model, features)
     # refused at resume leaves the folder's config as it was.
     with run_lock:
         # the workers' parent (they die with it) and where MUONRUN_FAULT=term@STEP sends SIGTERM

@@ -1,7 +1,7 @@
 """Activation checkpointing, torch.compile and FSDP2 for a model on the meta device.
 
-Order matters (as in torchtitan): the features' conversions (float8), then compile and checkpoint each decoder layer,
-then `fully_shard` each layer, then the root (embedding, final norm and the possibly tied LM head).
+Order matters (as in torchtitan): the features' conversions (float8), then tensor parallelism, then compile and
+checkpoint each decoder layer, then `fully_shard` each layer, then the root (embedding, final norm and the possibly tied LM head).
 Parameter names never change: the wrappers patch `forward` in place.
 """
 
@@ -17,7 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from muonrun.config import ParallelConfig
+from muonrun.distributed import dp_mesh, tp_mesh
 from muonrun.model.build import decoder_layers
+from muonrun.model.tensor_parallel import apply_tensor_parallel, layer_plan
 
 if TYPE_CHECKING:
     from muonrun.features.protocol import Feature
@@ -65,9 +67,14 @@ def apply_fsdp(
 def parallelize(
     model: nn.Module, mesh: DeviceMesh, p: ParallelConfig, device_type: str, features: list[Feature] = ()
 ) -> nn.Module:
+    """`mesh`: the run's whole mesh; the decoder layers are split over its "tp" axis where it has one
+    (model/tensor_parallel.py), and FSDP2 shards over the others."""
     layers = decoder_layers(model)
     for feature in features:
         feature.convert(model)
+    if tp_mesh(mesh) is not None:
+        hf_config = next(m.config for m in model.modules() if hasattr(m, "config"))
+        apply_tensor_parallel(layers, tp_mesh(mesh), layer_plan(hf_config))
     apply_compile_and_checkpointing(layers, p.activation_checkpointing, p.compile)
-    apply_fsdp(model, layers, mesh, p, device_type)
+    apply_fsdp(model, layers, dp_mesh(mesh), p, device_type)
     return model

@@ -179,7 +179,7 @@ class Metrics:
         """The tokens seen when the run reaches train.max_steps: those seen so far (restored from the
         checkpoint, whatever world size saved it) plus the remaining steps at this launch's tokens/step."""
         remaining, t = max(0, self.cfg.train.max_steps - state.step), self.cfg.train
-        per_micro_batch = self.tokens_per_step_per_rank * self.dist.world_size // t.grad_accum_steps
+        per_micro_batch = self.tokens_per_step_per_rank * self.dist.dp_size // t.grad_accum_steps
         return tokens_after(remaining, state.tokens_seen, t.grad_accum_steps, t.batch_ramp, per_micro_batch)
 
     def run_info(self, state) -> dict:
@@ -193,7 +193,7 @@ class Metrics:
             "step": state.step,
             "tokens_seen": state.tokens_seen,
             "max_steps": c.train.max_steps,
-            "tokens_per_step": self.tokens_per_step_per_rank * self.dist.world_size,
+            "tokens_per_step": self.tokens_per_step_per_rank * self.dist.dp_size,
             "tokens_at_max_steps": self.tokens_at_max_steps(state),
             "world_size": self.dist.world_size,
             "mesh": dict(zip(self.dist.mesh.mesh_dim_names, self.dist.mesh.shape, strict=True)),
@@ -253,8 +253,8 @@ class Metrics:
             (
                 "batch",
                 f"{t.micro_batch_size} seq x {t.grad_accum_steps} accum x {c.data.seq_len} tokens x "
-                f"{self.dist.world_size} ranks = {info['tokens_per_step']:,} tokens/step; {total}"
-                + ramp_text(t),
+                f"{self.dist.dp_size} {'data-parallel ' if self.dist.tp > 1 else ''}ranks = "
+                f"{info['tokens_per_step']:,} tokens/step; {total}" + ramp_text(t),
             )
         )
         mesh = " x ".join(f"{k}={v}" for k, v in info["mesh"].items())
@@ -335,7 +335,7 @@ class Metrics:
         reduced = HostCopy(torch.cat([mean, worst]))
         steps = self._window_steps
         step_time = (now - self._window_start - self._window_paused) / steps
-        # per device: the window's tokens over every rank
+        # per device: the window's tokens over every rank (the tp ranks of a data-parallel rank share a batch)
         tps = (state.tokens_seen - self._tokens_mark) / steps / self.dist.world_size / step_time
         self._tokens_mark = state.tokens_seen
         row = {

@@ -15,7 +15,7 @@ from muonrun import compat
 from muonrun.distributed import local_tensor
 from muonrun.optim.fused import frobenius_divisors, with_row_factors
 from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale, orthogonality_residual
-from muonrun.optim.sharding import Bucket, Owned, Partition, scatter_rows
+from muonrun.optim.sharding import Bucket, Item, Owned, Partition, scatter_rows
 from muonrun.optim.step import MuonStep
 from muonrun.optim.telemetry import sum_of_squares
 
@@ -34,7 +34,7 @@ def prepare(step: MuonStep, part: Partition, bucket: Bucket, send: Tensor | None
                 raise RuntimeError("Muon does not support sparse gradients")
             bufs.append(local_tensor(step.momentum_buffer(it.param)))
             grads.append(local_tensor(grad))
-            dsts.append(send[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols))
+            dsts.append(local_view(send, it))
         step.passes.momentum((id(bucket), gi), bufs, grads, dsts, s.momentum, s.nesterov)
         if step.sums is not None:
             step.add(part.shard.group, "momentum", sum_of_squares(bufs))
@@ -61,44 +61,74 @@ def orthogonalize(step: MuonStep, part: Partition, bucket: Bucket, recv: Tensor,
 def orthogonalize_stack(step: MuonStep, part: Partition, own: Owned, grid: Tensor) -> None:
     """The owner's work on one stack of same-shaped matrices (``grid``: the receive buffer as ``[world,
     per_source]``): normalise it (or fold the norm), Newton–Schulz, NorMuon's row factors, and on several
-    ranks the rows back into ``grid``."""
+    ranks the parts back into ``grid``."""
     W, ns = part.shard.world, step.newton_schulz
     k, R, C, c = own.count, own.rows, own.cols, own.chunk
     run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
-    slabs = run[..., : c * C].view(W, k, c, C)
     if W == 1:  # the buffer is ours: normalised in place (or its norm folded), the result written back
-        X = slabs[0]
+        X = run[0, :, : c * C].view(k, c, C)
         folds = ns.folds_norm(X.shape)
         if not folds:
             step.passes.normalize(run[0], c, C, ns.eps)
         out = ns(X, normalized=not folds, out=X)
-    else:  # reassembled and normalised in one pass (padding rows are zero: the norm is the matrix's)
+    elif own.blocks is None:  # rows: reassembled and normalised in one pass (padding rows are zero)
+        slabs = run[..., : c * C].view(W, k, c, C)
         full = torch.empty(k, W * c, C, dtype=grid.dtype, device=grid.device)
         norm = frobenius_divisors(slabs, (0, 2, 3), ns.eps).view(k, 1, 1, 1)
         torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))
         X = full[:, :R]
+        out = ns(X)
+    else:  # rectangles (tensor parallelism): each source's part put in its place
+        X = torch.empty(k, R, C, dtype=grid.dtype, device=grid.device)
+        for w, (r0, r1, c0, c1) in enumerate(own.blocks):
+            X[:, r0:r1, c0:c1] = run[w, :, : (r1 - r0) * (c1 - c0)].view(k, r1 - r0, c1 - c0)
+        X.div_(frobenius_divisors(X, (1, 2), ns.eps).view(k, 1, 1))
         out = ns(X)
     if own.first is step.sample:  # reported by its owner, summed with the others' zeros
         step.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
     if part.normuon:
         states = run[..., own.state_at : own.state_at + c * own.first.row_state]
         states = states.view(torch.float32).view(W, k, 2, c)  # v, then the factor, of every row
-        v = states[:, :, 0].transpose(0, 1).reshape(k, W * c)[:, :R]
+        v = rows_of(states[:, :, 0], own, R)
         factor, v = normuon_row_scale(out, v, *part.normuon)
-        scatter_rows(states[:, :, 0], v, c)
-        scatter_rows(states[:, :, 1], factor, c)  # applied with the update (``apply``)
-    if W > 1:
-        scatter_rows(slabs, out, c)
+        to_rows(states[:, :, 0], v, own)
+        to_rows(states[:, :, 1], factor, own)  # applied with the update (``apply``)
+    if own.blocks is not None:
+        for w, (r0, r1, c0, c1) in enumerate(own.blocks):
+            run[w, :, : (r1 - r0) * (c1 - c0)].view(k, r1 - r0, c1 - c0).copy_(out[:, r0:r1, c0:c1])
+    elif W > 1:
+        scatter_rows(run[..., : c * C].view(W, k, c, C), out, c)
     step.stats["orthogonalized"] += k
     step.stats["gram"] += k * ns.uses_gram(X.shape)
 
 
+def rows_of(slabs: Tensor, own: Owned, R: int) -> Tensor:
+    """Per-row values ``[k, R]`` from each source's slab of them ``[W, k, chunk]``."""
+    if own.blocks is None:
+        return slabs.transpose(0, 1).reshape(slabs.shape[1], -1)[:, :R]
+    rows = slabs.new_empty(slabs.shape[1], R)
+    for w, (r0, r1, _, _) in enumerate(own.blocks):  # sources with the same rows hold the same values
+        rows[:, r0:r1] = slabs[w, :, : r1 - r0]
+    return rows
+
+
+def to_rows(slabs: Tensor, rows: Tensor, own: Owned) -> None:
+    """``rows_of`` backwards: each source's rows of ``rows`` into its slab."""
+    if own.blocks is None:
+        scatter_rows(slabs, rows, own.chunk)
+        return
+    for w, (r0, r1, _, _) in enumerate(own.blocks):
+        slabs[w, :, : r1 - r0] = rows[:, r0:r1]
+
+
+def local_view(buf: Tensor, it: Item) -> Tensor:
+    """This rank's part of a matrix inside an exchange buffer laid out by the plan."""
+    return buf[it.offset : it.offset + it.local_rows * it.local_cols].view(it.local_rows, it.local_cols)
+
+
 def apply(step: MuonStep, part: Partition, bucket: Bucket, result: Tensor) -> None:
     """Weight decay and the scaled update on this rank's rows (NorMuon: and the new v)."""
-    views = {
-        id(it): result[it.offset : it.offset + it.local_rows * it.cols].view(it.local_rows, it.cols)
-        for it in bucket.items
-    }
+    views = {id(it): local_view(result, it) for it in bucket.items}
     factors = {id(it): it.state_view(result, 1) for it in bucket.items} if part.normuon else {}
     if step.sums is not None:  # what the step changes, before it changes it
         deltas = []

@@ -17,8 +17,14 @@ shard group, by one owner rank:
 The plan holds, per bucket, the owners and the offsets of each rank's rows in the two buffers. It is
 built from shapes alone, once per set of parameters with gradients, so every rank of a shard group
 builds the same one (``verify_plan`` checks). On an HSDP mesh ``(dp_replicate, dp_shard)`` the
-exchange runs over the ``Shard(0)`` dimension (gradients are already averaged over the other); any
-other placement (a tensor-parallel ``Shard(1)``, ``Partial``) is refused with a ``ValueError``.
+exchange runs over the ``Shard(0)`` dimension (gradients are already averaged over the other).
+
+Tensor parallelism splits a matrix over more than one mesh axis (FSDP2's rows of a tensor-parallel
+column shard, or of a row-wise layer's column block): each rank then holds a rectangle of it, not a
+run of rows. The exchange is the same, over the group of all the axes that split it
+(``distributed.shard_group``): every rank's rectangle of matrix j travels to j's owner, which places
+each where it belongs (``Item.blocks``, gathered once when the plan is built) and sends the result's
+rectangles back. ``Partial`` placements (pending sums) are refused with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -31,55 +37,44 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muonrun.distributed import local_tensor
+from muonrun import compat
+from muonrun.distributed import local_tensor, shard_group
 
 try:  # torch built without distributed support
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-    Replicate = Shard = None  # type: ignore[assignment,misc]
+    DTensor = Shard = None  # type: ignore[assignment,misc]
 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    group: Any  # ProcessGroup of the Shard(0) mesh dim, or None when the full matrix is local
+    group: Any  # ProcessGroup of the mesh axes that split the matrix, or None when it is local
     world: int
     rank: int
+    rows_only: bool = True
+    """Split by rows alone, in the ``torch.chunk`` layout (FSDP2, HSDP); else into rectangles."""
 
 
 LOCAL = ShardInfo(None, 1, 0)
 DEFAULT_BUCKET_NUMEL = 1 << 28
+Block = tuple[int, int, int, int]  # rows [r0, r1) x columns [c0, c1) of a matrix
 
 
 def shard_info(p: Tensor, name: str) -> ShardInfo:
-    """Where a parameter's rows live. Raises ValueError for any layout but (Replicate*, Shard(0))."""
+    """Where a parameter's parts live (``distributed.shard_group``). Raises ValueError for a layout
+    with pending partial sums."""
     if DTensor is None or not isinstance(p, DTensor):
         return LOCAL
-    mesh = p.device_mesh
-    shard_dims = []
-    for mesh_dim, pl in enumerate(p.placements):
-        if isinstance(pl, Replicate):
-            continue
-        if type(pl) is Shard and pl.dim == 0:
-            shard_dims.append(mesh_dim)
-            continue
+    if any(pl.is_partial() for pl in p.placements):
         raise ValueError(
-            f"Muon: parameter {name} has placements {p.placements} on mesh {mesh}; only FSDP/HSDP "
-            "layouts (Replicate() and one Shard(0)) are supported. Tensor-parallel or partial "
-            "placements are not."
+            f"Muon: parameter {name} has placements {p.placements}: a partial (unreduced) parameter "
+            "cannot be orthogonalised; only split (Shard) and replicated placements are supported."
         )
-    if not shard_dims:
+    group = shard_group(p)
+    if group.world == 1:
         return LOCAL
-    if len(shard_dims) > 1:
-        raise ValueError(
-            f"Muon: parameter {name} is sharded on dim 0 over several mesh dims {p.placements}; "
-            "flatten them into one mesh dim."
-        )
-    md = shard_dims[0]
-    world = mesh.size(md)
-    if world == 1:
-        return LOCAL
-    return ShardInfo(mesh.get_group(md), world, mesh.get_local_rank(md))
+    rows_only = [type(p.placements[a]) for a in group.axes] == [Shard] and p.placements[group.axes[0]].dim == 0
+    return ShardInfo(group.group, group.world, group.rank, rows_only)
 
 
 def chunk_rows(rows: int, world: int) -> int:
@@ -99,19 +94,34 @@ class Item:
     group_index: int
     rows: int
     cols: int
-    chunk: int  # rows per rank slab (ceil(rows / world)); == rows when local
+    chunk: int  # rows per rank slab (ceil(rows / world); the most any rank holds); == rows when local
     local_rows: int
     cost: int = 0  # Newton–Schulz FLOPs (NewtonSchulz.flops), for owner balancing
     row_state: int = 0  # buffer elements per row carrying fp32 per-row state (NorMuon's v), 0: none
     owner: int = 0
     offset: int = 0  # element offset of this rank's slab in the bucket's send/receive buffer
+    local_cols: int = 0  # this rank's columns (cols, but for a tensor-parallel column block)
+    blocks: tuple[Block, ...] | None = None
+    """Each rank's rectangle of the matrix, by rank of the shard group, where it is split into
+    rectangles; None: by rows, ``chunk`` each (``torch.chunk``)."""
+    corner: tuple[int, int] = (0, 0)  # this rank's first row and column (until ``blocks`` are known)
+
+    def __post_init__(self) -> None:
+        self.local_cols = self.local_cols or self.cols
+
+    @property
+    def block(self) -> int:
+        """Elements of the largest rank's part (the rows, or rectangle, a slab holds)."""
+        if self.blocks is None:
+            return self.chunk * self.cols
+        return max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in self.blocks)
 
     @property
     def state_at(self) -> int:
-        """Offset of the per-row state inside a slab: after the ``chunk x cols`` rows, aligned so
-        that it can be viewed as fp32 (``row_state`` elements per fp32 value)."""
+        """Offset of the per-row state inside a slab: after the matrix's part, aligned so that it can
+        be viewed as fp32 (``row_state`` elements per fp32 value)."""
         x = max(self.row_state, 1)
-        return -(-self.chunk * self.cols // x) * x
+        return -(-self.block // x) * x
 
     def state_view(self, buf: Tensor, index: int = 0) -> Tensor:
         """This rank's rows' ``index``-th fp32 per-row value inside an exchange buffer laid out by the
@@ -123,8 +133,8 @@ class Item:
 
     @property
     def slab(self) -> int:
-        """Elements of one rank's slab: its rows (padded to ``chunk``) and their per-row state."""
-        return self.state_at + self.chunk * self.row_state if self.row_state else self.chunk * self.cols
+        """Elements of one rank's slab: its part (padded to ``block``) and its rows' per-row state."""
+        return self.state_at + self.chunk * self.row_state if self.row_state else self.block
 
 
 @dataclass
@@ -139,6 +149,7 @@ class Owned:
     slab: int  # elements per matrix and source (Item.slab)
     state_at: int  # Item.state_at
     first: Item  # the first of these matrices (the one telemetry samples)
+    blocks: tuple[Block, ...] | None = None  # Item.blocks, the same for all of them
 
 
 @dataclass
@@ -186,9 +197,11 @@ def build_plan(entries: Sequence[Entry], bucket_numel: int = DEFAULT_BUCKET_NUME
     for part, by_shape in _collect(entries):
         buckets = _pack(_pieces(by_shape, bucket_numel), bucket_numel)
         assign_owners(buckets, part.shard.world)
+        verify_plan(part, buckets)
+        if not part.shard.rows_only:
+            _gather_blocks(part, [it for items in buckets for it in items])
         part.buckets = [_lay_out(items, part.shard) for items in buckets]
         plan.append(part)
-    verify_plan(plan)
     return plan
 
 
@@ -196,27 +209,32 @@ def _collect(entries: Sequence[Entry]) -> list[tuple[Partition, dict[tuple[int, 
     """Group the matrices into partitions, and by shape inside each (in parameter order).
 
     One partition per (shard group, NorMuon's settings): an all-to-all runs over one process group
-    and a batched NorMuon normalisation with one setting; same-shaped matrices batch together.
+    and a batched NorMuon normalisation with one setting; same-shaped matrices batch together (split
+    the same way: a row-wise layer's rectangles are not a column-wise one's of the same shape).
     """
     partitions: dict[tuple, tuple[Partition, dict[tuple[int, int], list[Item]]]] = {}
     for e in entries:
         info = shard_info(e.param, e.name)
-        key = (id(info.group), e.normuon)
+        key = (id(info.group), info.rows_only, e.normuon)
         if key not in partitions:
             partitions[key] = (Partition(info, e.normuon, local_tensor(e.param).device), {})
         item = _item(e, info)
         item.cost, item.row_state = e.cost, e.row_state
-        partitions[key][1].setdefault((item.rows, item.cols), []).append(item)
+        layout = () if info.rows_only else tuple(e.param.placements)
+        partitions[key][1].setdefault((item.rows, item.cols, layout), []).append(item)
     return list(partitions.values())
 
 
 def _item(e: Entry, info: ShardInfo) -> Item:
-    """The matrix's slab size and local rows; refuses a local shard that is not the chunk layout,
+    """The matrix's slab size and local part; refuses a row-split shard that is not the chunk layout,
     since the owner reassembles rows by position."""
     rows, cols = e.param.shape
     if info.world == 1:
         return Item(e.param, e.group_index, rows, cols, chunk=rows, local_rows=rows)
     local = local_tensor(e.param)
+    if not info.rows_only:  # a rectangle: its place is gathered with the others' (``_gather_blocks``)
+        (n_rows, n_cols), corner = compat.local_shape_and_offset(e.param)
+        return Item(e.param, e.group_index, rows, cols, n_rows, n_rows, local_cols=n_cols, corner=corner)
     n_local = local_rows(rows, info.world, info.rank)
     if local.shape[0] != n_local or local.shape[1] != cols:
         raise ValueError(
@@ -226,10 +244,25 @@ def _item(e: Entry, info: ShardInfo) -> Item:
     return Item(e.param, e.group_index, rows, cols, chunk_rows(rows, info.world), n_local)
 
 
+def _gather_blocks(part: Partition, items: list[Item]) -> None:
+    """Every rank's rectangle of each matrix (``Item.blocks``), by rank of the shard group: one
+    all-gather when the plan is built. ``chunk`` becomes the most rows any rank holds."""
+    mine = torch.tensor(
+        [[it.corner[0], it.corner[0] + it.local_rows, it.corner[1], it.corner[1] + it.local_cols] for it in items],
+        dtype=torch.int64,
+        device=part.device,
+    ).reshape(-1, 4)
+    every = [torch.empty_like(mine) for _ in range(part.shard.world)]
+    dist.all_gather(every, mine, group=part.shard.group)
+    for i, it in enumerate(items):
+        it.blocks = tuple(tuple(int(x) for x in every[w][i].tolist()) for w in range(part.shard.world))
+        it.chunk = max(r1 - r0 for r0, r1, _, _ in it.blocks)
+
+
 def _pieces(by_shape: dict[tuple[int, int], list[Item]], bucket_numel: int) -> list[list[Item]]:
     """Each shape's matrices, in runs that fit a bucket (at least one matrix each)."""
     pieces = []
-    for (rows, cols), items in by_shape.items():
+    for (rows, cols, *_), items in by_shape.items():
         per_piece = max(1, bucket_numel // max(rows * cols, 1))
         pieces.extend(items[s : s + per_piece] for s in range(0, len(items), per_piece))
     return pieces
@@ -270,7 +303,7 @@ def owner_flops(
     Muon assigns owners (``assign_owners``), and ``"round_robin"``, each shape's matrices dealt to the
     ranks in turn (the matrices grouped by shape in order of appearance, the next shape starting where
     the last one stopped)."""
-    by_shape: dict[tuple[int, int], list[Item]] = {}
+    by_shape: dict[tuple, list[Item]] = {}
     for shape in shapes:
         rows, cols = int(shape[0]), int(shape[1])
         by_shape.setdefault((rows, cols), []).append(
@@ -319,8 +352,8 @@ def _lay_out(items: list[Item], shard: ShardInfo) -> Bucket:
     region starts aligned for its fp32 view.
     """
     world, me = shard.world, shard.rank
-    shape_rank = {s: k for k, s in enumerate(dict.fromkeys((it.rows, it.cols) for it in items))}
-    items = sorted(items, key=lambda it: (it.owner, shape_rank[(it.rows, it.cols)]))
+    shape_rank = {s: k for k, s in enumerate(dict.fromkeys(_stack_key(it) for it in items))}
+    items = sorted(items, key=lambda it: (it.owner, shape_rank[_stack_key(it)]))
     send_splits = [0] * world
     offset = 0
     for it in items:
@@ -342,8 +375,8 @@ def _lay_out(items: list[Item], shard: ShardInfo) -> Bucket:
     for it in items:
         by_group.setdefault(it.group_index, []).append(it)
         by_update.setdefault((it.group_index, it.rows, it.cols), []).append(it)
-        if it.local_rows < it.chunk:  # zero rows: the owner's norm runs over whole slabs
-            bucket.padding.append((it.offset + it.local_rows * it.cols, it.offset + it.chunk * it.cols))
+        if it.local_rows * it.local_cols < it.block:  # zeros: the owner's norm runs over whole slabs
+            bucket.padding.append((it.offset + it.local_rows * it.local_cols, it.offset + it.block))
     bucket.by_group = list(by_group.items())
     bucket.by_update = [(g, r, c, its) for (g, r, c), its in by_update.items()]
     return bucket
@@ -357,12 +390,17 @@ def _owned(items: list[Item], me: int) -> list[Owned]:
     for it in items:
         if it.owner != me:
             continue
-        if owned and (owned[-1].rows, owned[-1].cols) == (it.rows, it.cols):
+        if owned and _stack_key(owned[-1].first) == _stack_key(it):
             owned[-1].count += 1
         else:
-            owned.append(Owned(it.rows, it.cols, it.chunk, 1, offset, it.slab, it.state_at, it))
+            owned.append(Owned(it.rows, it.cols, it.chunk, 1, offset, it.slab, it.state_at, it, it.blocks))
         offset += it.slab
     return owned
+
+
+def _stack_key(it: Item) -> tuple:
+    """Matrices that batch into one Newton–Schulz stack: the same shape, split the same way."""
+    return it.rows, it.cols, it.blocks
 
 
 def scatter_rows(dst: Tensor, src: Tensor, c: int) -> None:
@@ -380,29 +418,27 @@ def scatter_rows(dst: Tensor, src: Tensor, c: int) -> None:
         dst[nfull, :, :rem].copy_(src[:, nfull * c :])
 
 
-def verify_plan(plan: list[Partition]) -> None:
-    """Check that every rank of each shard group built the same buckets.
+def verify_plan(part: Partition, buckets: Sequence[Sequence[Item]]) -> None:
+    """Check that every rank of a shard group is about to build the same buckets.
 
-    A rank with a different plan would send rows to the wrong owner or hang in the all-to-all, so
-    this runs whenever the plan is built: the optimizer's only host synchronisation, normally once,
-    at the first step.
+    A rank with a different plan would send parts to the wrong owner or hang in a collective, so this
+    runs whenever a plan is built, before anything else is exchanged: the optimizer's only host
+    synchronisation, normally once, at the first step.
     """
-    for part in plan:
-        if part.shard.group is None:
-            continue
-        sig = [len(part.buckets)]
-        for b in part.buckets:
-            sig.append(len(b.items))
-            sig.append(sum((it.rows * 1_000_003 + it.cols) * (it.owner + 1) for it in b.items) % (1 << 30))
-            sig.append(b.send_numel)
-        h = 0
-        for x in sig:
-            h = (h * 1_000_000_007 + x) % (1 << 61)
-        t = torch.tensor([h, -h], dtype=torch.int64, device=part.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=part.shard.group)
-        if int(t[0]) != h or int(t[1]) != -h:
-            raise RuntimeError(
-                "Muon: ranks of a shard group disagree on which parameters have gradients or on their "
-                "shapes; every rank must step the same matrices (a grad that is None on one rank must "
-                "be None on all)."
-            )
+    if part.shard.group is None:
+        return
+    sig = [len(buckets)]
+    for items in buckets:
+        sig.append(len(items))
+        sig.append(sum((it.rows * 1_000_003 + it.cols) * (it.owner + 1) for it in items) % (1 << 30))
+    h = 0
+    for x in sig:
+        h = (h * 1_000_000_007 + x) % (1 << 61)
+    t = torch.tensor([h, -h], dtype=torch.int64, device=part.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=part.shard.group)
+    if int(t[0]) != h or int(t[1]) != -h:
+        raise RuntimeError(
+            "Muon: ranks of a shard group disagree on which parameters have gradients or on their "
+            "shapes; every rank must step the same matrices (a grad that is None on one rank must "
+            "be None on all)."
+        )

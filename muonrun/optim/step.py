@@ -23,9 +23,9 @@ from muonrun.optim.newton_schulz import ADJUST_LR_FNS, NewtonSchulz, adjust_lr
 from muonrun.optim.telemetry import Sums
 
 try:  # torch built without distributed support
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = Replicate = None  # type: ignore[assignment,misc]
 
 VARIANTS = ("muon", "normuon")
 NS_KEYS = ("ns_coefficients", "eps", "ns_steps")  # torch.optim.Muon's per-group Newton–Schulz settings
@@ -172,4 +172,6 @@ def rows_like(p: Tensor, layout: ExpertLayout | None = None) -> Tensor:
         zeros = torch.zeros(local.shape[0], rows, dtype=torch.float32, device=local.device)
     if DTensor is None or not isinstance(p, DTensor):
         return zeros
-    return DTensor.from_local(zeros, p.device_mesh, p.placements, shape=shape, stride=stride, run_check=False)
+    # split like p's rows; a split of its columns (a row-wise tensor-parallel layer) holds whole rows
+    placements = [Replicate() if getattr(pl, "dim", 0) != 0 else pl for pl in p.placements]
+    return DTensor.from_local(zeros, p.device_mesh, placements, shape=shape, stride=stride, run_check=False)

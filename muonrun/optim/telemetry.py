@@ -14,11 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonrun import compat
-
-try:  # torch built without distributed support
-    from torch.distributed.tensor import DTensor, Replicate
-except ImportError:  # pragma: no cover
-    DTensor = Replicate = None  # type: ignore[assignment,misc]
+from muonrun.distributed import shard_group
 
 
 def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor | None:
@@ -29,19 +25,9 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor | None:
 
 
 def reduce_group(p: Tensor):
-    """The process group over which a tensor laid out like ``p`` is split (sums over local shards
-    add up to the whole over it), or None when each rank holds all of it."""
-    if DTensor is None or not isinstance(p, DTensor):
-        return None
-    sharded = [d for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
-    if not sharded:
-        return None
-    if len(sharded) > 1:
-        raise ValueError(
-            f"optimizer telemetry: a tensor is split over several mesh dimensions ({p.placements}); "
-            "only one sharded mesh dimension (FSDP/HSDP) is supported"
-        )
-    return None if p.device_mesh.size(sharded[0]) == 1 else p.device_mesh.get_group(sharded[0])
+    """The process group over which a tensor laid out like ``p`` is split (sums over local shards add
+    up to the whole over it: ``distributed.shard_group``), or None when each rank holds all of it."""
+    return shard_group(p).group
 
 
 class Sums:

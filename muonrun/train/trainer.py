@@ -107,18 +107,18 @@ class Trainer:
         for feature in self.features:
             feature.start(self.model, self.dist.device)
 
-        # Every rank is a data-parallel rank: HSDP replicas and FSDP shards all read different data.
-        # Pinned host batches let the copy to the GPU (non_blocking) overlap with compute.
+        # HSDP replicas and FSDP shards all read different data; the tp ranks of one of them read the
+        # same. Pinned host batches let the copy to the GPU (non_blocking) overlap with compute.
         self.loader = build_loader(
             cfg,
             self.tokenizer,
-            dp_rank=self.dist.rank,
-            dp_size=self.dist.world_size,
+            dp_rank=self.dist.dp_rank,
+            dp_size=self.dist.dp_size,
             pin_memory=self.dist.device.type == "cuda",
         )
         self.eval_loader = (
             build_loader(
-                cfg, self.tokenizer, dp_rank=self.dist.rank, dp_size=self.dist.world_size, split="eval"
+                cfg, self.tokenizer, dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, split="eval"
             )
             if cfg.train.eval_interval and cfg.data.eval_sources
             else None
@@ -276,7 +276,7 @@ class Trainer:
             values.update(eval_loss=loss, eval_ppl=math.exp(loss))
         if self.tasks is not None:
             d = self.dist
-            values.update(self.tasks.score(self.model, d.device, d.rank, d.world_size))
+            values.update(self.tasks.score(self.model, d.device, d.dp_rank, d.dp_size))
         self.model.train()
         return values
 

@@ -1,0 +1,104 @@
+"""Tensor parallelism for the decoder layers: each attention and MLP projection split over the `tp` mesh
+axis with torch's DTensor API (`parallelize_module`), FSDP2 sharding over the data-parallel axes on top.
+
+The plan is the model's own: transformers' `base_model_tp_plan` for its family (Qwen2, Llama, Mistral:
+q/k/v and gate/up column-wise, o and down row-wise), read for the entries inside the decoder layers;
+muonrun's `DEFAULT_TP_PLAN` (the same Llama layout) where transformers defines none. Column-wise
+layers keep whole heads per rank (so `tp` must divide the query and key-value heads) and hand their
+local outputs on; the row-wise layer after them sums the partial products with one all-reduce. The
+rest (embedding, norms, LM head and loss) runs on every tp rank on the same batch, FSDP-sharded over
+the data-parallel axes alone: its results are identical there, as are its gradients, so no further
+reduction is needed.
+
+Muon steps the tensor-parallel matrices exactly as on one device: each matrix's blocks reach one owner
+over the tp and FSDP axes together (muonrun/optim/sharding.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from muonrun.errors import UserError
+from muonrun.model.build import decoder_layers
+from muonrun.model.moe import is_moe
+
+if TYPE_CHECKING:
+    from muonrun.config import Config
+    from muonrun.features.protocol import Feature
+
+LAYERS = "layers.*."
+DEFAULT_TP_PLAN = {
+    f"{LAYERS}self_attn.q_proj": "colwise",
+    f"{LAYERS}self_attn.k_proj": "colwise",
+    f"{LAYERS}self_attn.v_proj": "colwise",
+    f"{LAYERS}self_attn.o_proj": "rowwise",
+    f"{LAYERS}mlp.gate_proj": "colwise",
+    f"{LAYERS}mlp.up_proj": "colwise",
+    f"{LAYERS}mlp.down_proj": "rowwise",
+}
+"""The Llama layout, for a family whose transformers config declares no `base_model_tp_plan`."""
+STYLES = ("colwise", "rowwise")
+
+
+def layer_plan(hf_config) -> dict[str, str]:
+    """{module path inside a decoder layer: "colwise" or "rowwise"} for this model family."""
+    plan = getattr(hf_config, "base_model_tp_plan", None) or DEFAULT_TP_PLAN
+    return {key.removeprefix(LAYERS): style for key, style in plan.items() if key.startswith(LAYERS)}
+
+
+def check_tensor_parallel(cfg: Config, model: nn.Module, features: list[Feature]) -> None:
+    """Before any worker starts: `parallel.tp` fits the model and the features (UserError naming the key
+    otherwise; the launcher checks that it divides the workers per node). `model` is the meta model
+    (`check_model`)."""
+    tp = cfg.parallel.tp
+    if tp == 1:
+        return
+    hf = model.config
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(hf, key, None)
+        if heads is not None and heads % tp:
+            raise UserError(
+                f"Config key 'parallel.tp' is {tp}, which does not divide model.hf.{key}={heads}: each tp rank "
+                "computes whole heads. Choose a tp that divides the query and the key-value heads."
+            )
+    if is_moe(hf):
+        raise UserError(
+            f"Config key 'parallel.tp' is {tp}, but this model ({hf.model_type}) has experts: muonrun splits "
+            "dense layers only. Set parallel.tp=1 (FSDP2 shards the experts)."
+        )
+    unsupported = [f.name for f in features if not f.tensor_parallel]
+    if unsupported:
+        raise UserError(
+            f"Config key 'parallel.tp' is {tp}, but {', '.join(unsupported)} does not run on tensor-parallel "
+            "layers. Set parallel.tp=1 for this run, or turn the feature off."
+        )
+    plan = layer_plan(hf)
+    odd = {k: s for k, s in plan.items() if s not in STYLES}
+    layer = decoder_layers(model)[0]
+    missing = [k for k in plan if not isinstance(_submodule(layer, k), nn.Linear)]
+    if odd or missing or not plan:
+        raise UserError(
+            f"Config key 'parallel.tp' is {tp}, but the tensor-parallel plan of {hf.model_type} ({plan or 'empty'}) "
+            f"has entries muonrun does not apply ({odd or missing}): it splits Linear layers column-wise "
+            "or row-wise. Set parallel.tp=1 for this model."
+        )
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def apply_tensor_parallel(layers: list[nn.Module], tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """Split each decoder layer's projections over `tp_mesh` as `plan` says (`layer_plan`). Outputs stay
+    local tensors (the attention's view into heads and the MLP's product see their own part)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, {path: styles[style]() for path, style in plan.items()})
