@@ -77,13 +77,6 @@ def make_plan(cfg: Config) -> LaunchPlan:
     _, shard = mesh_shape(
         cfg, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
     )
-    if plan.nnodes > 1 and shard % plan.nproc_per_node and plan.nproc_per_node % shard:
-        log.warning(
-            f"parallel.dp_shard={shard} with {plan.nproc_per_node} workers per node: shard groups (consecutive "
-            "ranks) straddle node boundaries unevenly; for HSDP shard within a node "
-            f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1)."
-        )
-    if plan.rdzv_endpoint and not plan.in_process:
     tp = cfg.parallel.tp
     if plan.nproc_per_node % tp:
         raise UserError(
@@ -91,6 +84,13 @@ def make_plan(cfg: Config) -> LaunchPlan:
             "node: the tensor-parallel ranks of a layer exchange activations in every layer and must share a "
             "node. Choose a tp that divides --nproc-per-node (launch.nproc_per_node)."
         )
+    if plan.nnodes > 1 and shard % plan.nproc_per_node and plan.nproc_per_node % shard:
+        log.warning(
+            f"parallel.dp_shard={shard} with {plan.nproc_per_node} workers per node: shard groups (consecutive "
+            "ranks) straddle node boundaries unevenly; for HSDP shard within a node "
+            f"(parallel.dp_shard={plan.nproc_per_node}, or parallel.dp_replicate=-1)."
+        )
+    if plan.rdzv_endpoint and not plan.in_process:
         check_endpoint_resolves(plan.rdzv_endpoint, plan.node_rank)
         if plan.node_rank == 0:
             check_endpoint_free(plan.rdzv_endpoint)
@@ -152,6 +152,7 @@ def launch(cfg: Config) -> int:
     from muonrun.eval import check_tasks
     from muonrun.features import enabled
     from muonrun.model.build import check_model
+    from muonrun.model.tensor_parallel import check_tensor_parallel
     from muonrun.optim.groups import split_params
 
     check_device(cfg)
@@ -160,7 +161,6 @@ def launch(cfg: Config) -> int:
     if not plan.in_process:
         quiet_leak_warnings()  # before anything can start the resource tracker
     features = enabled(cfg)
-    from muonrun.model.tensor_parallel import check_tensor_parallel
     device_type = pick_device_type(cfg)
     for feature in features:
         feature.check(device_type)
@@ -169,6 +169,7 @@ def launch(cfg: Config) -> int:
     model = check_model(
         cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features, cfg.train.router_z_loss_coef
     )
+    check_tensor_parallel(cfg, model, features)
     if cfg.optimizer.name == "muon":  # its patterns against the (meta) model's parameters
         split_params(model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns)
     config_yaml = to_yaml(cfg)
@@ -178,7 +179,6 @@ def launch(cfg: Config) -> int:
     load_order(cfg.checkpoint.resume_from, cfg.checkpoint.init_from, out / "checkpoints")
     run_lock = claim_output_dir(out, plan.node_rank)  # before anything in output_dir is touched
     # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
-    check_tensor_parallel(cfg, model, features)
     # refused at resume leaves the folder's config as it was.
     with run_lock:
         # the workers' parent (they die with it) and where MUONRUN_FAULT=term@STEP sends SIGTERM
