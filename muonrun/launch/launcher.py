@@ -147,6 +147,7 @@ def check_fault_spec() -> None:
 def launch(cfg: Config) -> int:
     """Run the job described by a validated config; returns the process exit code."""
     from muonrun.checkpoint.resume import load_order
+    from muonrun.config.inert import warn_inert
     from muonrun.data import check_data
     from muonrun.distributed import check_device, pick_device_type
     from muonrun.eval import check_tasks
@@ -164,6 +165,7 @@ def launch(cfg: Config) -> int:
     device_type = pick_device_type(cfg)
     for feature in features:
         feature.check(device_type)
+    warn_inert(cfg, device_type)  # settings that do nothing on this device: one line each
     tokenizer = check_data(cfg)
     check_tasks(cfg, tokenizer)  # eval.tasks' files, record by record
     model = check_model(

@@ -262,7 +262,8 @@ class Metrics:
             (
                 "parallel",
                 f"world {self.dist.world_size} (mesh {mesh}), {self.precision} matmuls, "
-                f"activation checkpointing {c.parallel.activation_checkpointing}, compile {c.parallel.compile}",
+                f"activation checkpointing {c.parallel.activation_checkpointing}, compiled layers "
+                f"{c.parallel.compile}, compiled loss {c.parallel.compile_loss and self.dist.device.type == 'cuda'}",
             )
         )
         if info["gpus"]:

@@ -82,6 +82,18 @@ def tokenizer_and_data(c, check_data_here: bool = True, offline: bool = False) -
     return tok.vocab_size, tokenizer, f"{counts}, checked as the launch checks them"
 
 
+def check_cpu_plan(cfg: Config, features) -> None:
+    """The launcher's checks of what a CPU cannot run (refused: launch.backend=nccl, parallel.float8) and
+    of the settings that do nothing there (one warning each, config/inert.py)."""
+    from muonrun.config.inert import warn_inert
+    from muonrun.distributed import check_device
+
+    check_device(cfg)
+    for feature in features:
+        feature.check("cpu")
+    warn_inert(cfg, "cpu")
+
+
 def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.features import enabled, flops_per_token
     from muonrun.launch.launcher import default_nproc
@@ -104,6 +116,8 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     offline = hub is not None and hub != "reachable"
     vocab, tokenizer, data = tokenizer_and_data(cfg, check_data_here=world_size is None, offline=offline)
     features = enabled(cfg)
+    if cfg.train.device == "cpu":  # a CPU plan: refused and warned about as the launch does
+        check_cpu_plan(cfg, features)
     model = check_model(cfg.model, vocab, cfg.data.seq_len, features, cfg.train.router_z_loss_coef)
     hf = model.config
     params = count_params(model)

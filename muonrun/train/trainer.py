@@ -94,7 +94,7 @@ class Trainer:
         self.model = CausalLMWithLoss(
             build_model(cfg.model, self.hf_config, self.features),
             cfg.train.loss_chunk_tokens,
-            cfg.parallel.compile_loss,
+            cfg.parallel.compile_loss and device_type == "cuda",  # a GPU pass (config/inert.py)
             router_aux_loss_coef(cfg, self.hf_config),
             cfg.train.router_z_loss_coef,
         )
