@@ -113,7 +113,7 @@ def test_a_tiny_moe_training_step_never_waits_for_the_device_on_unlogged_or_logg
         for step in range(1, 5):  # steps 1-2 warm up; 3 unlogged, 4 logged (reading step 2's row)
             log = trainer.logs(step)
             with HostWaits() as recorder:
-                loss, grad_norm, wait = trainer.train_step()
+                loss, grad_norm, wait = trainer.train_step(trainer.accum_steps())
                 trainer.state.step += 1
                 telemetry = trainer.telemetry() if log else None
                 trainer.metrics.record(
