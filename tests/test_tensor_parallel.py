@@ -1,0 +1,88 @@
+"""Tensor parallelism (`parallel.tp`): Muon exact on tensor-parallel shards, the tiny preset training the
+same at dp 4 and at dp 2 x tp 2, checkpoints across layouts, export, and the mistakes refused before any
+worker starts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import STEPS, losses, muonrun, ok, pretrain, run_workers
+
+WORKER = Path(__file__).parent / "dist" / "tp_worker.py"
+
+
+@pytest.mark.slow
+def test_muon_on_tensor_parallel_shards_equals_torch_muon():
+    """Column-wise and row-wise layers split over tp with FSDP2 over the data-parallel axes (tp 2 x dp 2,
+    tp 4, tp 2 with HSDP; uneven splits, an empty shard): Muon and NorMuon step each rank's part as
+    torch.optim.Muon (the paper's NorMuon) steps the whole matrix, each matrix orthogonalised once,
+    and clipping and telemetry equal torch's on the full tensors (tests/dist/tp_worker.py)."""
+    out = run_workers(WORKER, 4, timeout=600)
+    assert "TP_WORKER_OK" in out, out
+    for tag in ("tp 2 x dp 2", "tp 4", "tp 2 hsdp 2x1"):
+        assert f"{tag}: 3 combinations and clip OK" in out, out
+
+
+def close(a: dict[int, list[float]], b: dict[int, list[float]], steps) -> None:
+    """The same losses up to fp32 rounding (the tp all-reduce sums in another order)."""
+    for s in steps:
+        assert a[s][-1] == pytest.approx(b[s][-1], rel=1e-3), (s, a[s], b[s])
+
+
+@pytest.mark.slow
+def test_the_tiny_preset_trains_the_same_at_dp4_and_dp2_tp2_and_resumes_across_layouts(tmp_path):
+    """Four ranks, the same global batch: dp 4 with one sequence each, or dp 2 x tp 2 with two (the tp
+    ranks of a data-parallel rank share it): the same losses with AdamW and with Muon. The Muon run at
+    tp 2 saves at step 4; that checkpoint resumes at tp 2 bit for bit, and at dp 4 (no tensor
+    parallelism) through DCP's resharding, training on as the uninterrupted run does.
+    Its export loads in transformers."""
+    layouts = {"dp4": ("train.micro_batch_size=1",), "tp2": ("train.micro_batch_size=2", "parallel.tp=2")}
+    common = ("checkpoint.interval=4", "checkpoint.keep_last=4")
+    for opt in ("adamw", "muon"):
+        for name, layout in layouts.items():
+            ok(pretrain(tmp_path / f"{opt}-{name}", f"optimizer.name={opt}", *common, *layout, nproc=4))
+        close(losses(tmp_path / f"{opt}-dp4"), losses(tmp_path / f"{opt}-tp2"), range(1, STEPS + 1))
+    saved = tmp_path / "muon-tp2"
+    resumes = {
+        "tp2": (4, layouts["tp2"]),
+        "dp4": (4, layouts["dp4"]),
+    }
+    for name, (nproc, layout) in resumes.items():
+        run = tmp_path / f"resume-{name}"
+        shutil.copytree(saved / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
+        out = ok(pretrain(run, "optimizer.name=muon", *common, *layout, nproc=nproc))
+        assert "resumed from" in out and "step-4" in out, out
+        if name == "tp2":  # the same layout: bit for bit
+            assert losses(run) == {s: losses(saved)[s] for s in range(5, STEPS + 1)}
+        close(losses(run), losses(saved), range(5, STEPS + 1))
+    ok(muonrun("export", str(saved), str(tmp_path / "hf")))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert tuple(q.shape) == (128, 128) and torch.isfinite(q).all()
+    ids = torch.arange(1, 33).view(1, -1)
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_tensor_parallel_mistakes_exit_2_before_any_worker_starts(tmp_path):
+    """A tp that does not divide the key-value heads or the workers per node, a model with experts, and a
+    feature that does not run on tensor-parallel layers: one paragraph naming parallel.tp, exit 2, no
+    worker started (no run folder)."""
+    cases = [
+        (("parallel.tp=4",), 4, "model.hf.num_key_value_heads=2"),
+        (("parallel.tp=2",), 3, "does not"),
+        (("parallel.tp=2", "train.qk_clip.tau=100"), 4, "qk_clip"),
+    ]
+    for i, (overrides, nproc, says) in enumerate(cases):
+        result = pretrain(tmp_path / f"r{i}", *overrides, nproc=nproc)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "parallel.tp" in result.stderr and says in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and not (tmp_path / f"r{i}" / "metrics.jsonl").exists()
+    moe = muonrun(
+        "pretrain", "tiny-moe", f"output_dir={tmp_path / 'moe'}", "parallel.tp=2", "--nproc-per-node", "2"
+    )
+    assert moe.returncode == 2 and "experts" in moe.stderr and "parallel.tp" in moe.stderr, moe.stderr
