@@ -45,7 +45,10 @@ def test_config_show_applies_overrides():
 def test_config_docs_is_a_reference():
     result = runner.invoke(app, ["config", "docs"])
     assert result.exit_code == 0
-    assert "| `optimizer.muon.adjust_lr_fn` |" in result.output
+    # text for a terminal (tests/test_config_docs.py); the Markdown table on request
+    assert "\noptimizer.muon.adjust_lr_fn: " in result.output
+    table = runner.invoke(app, ["config", "docs", "--markdown"])
+    assert table.exit_code == 0 and "| `optimizer.muon.adjust_lr_fn` |" in table.output
 
 
 @pytest.mark.parametrize(
