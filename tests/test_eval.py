@@ -244,7 +244,8 @@ def eval_rows(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_trained_model_scores_far_above_its_untrained_weights(trained):
-    from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
+    from muonrun.model.build import build_hf_config, build_model, init_weights
+    from muonrun.model.causal_lm import CausalLMWithLoss
 
     run, tasks = trained
     cfg = config(*tasks)

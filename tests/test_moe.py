@@ -20,7 +20,8 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss
 from muonrun.config import ModelConfig
 from muonrun.errors import UserError
 from muonrun.features.router_bias import BIAS, COUNTS, RouterBias, attach, routers, update_biases
-from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, flops_per_token, init_weights
+from muonrun.model.build import build_hf_config, build_model, flops_per_token, init_weights
+from muonrun.model.causal_lm import CausalLMWithLoss
 from muonrun.model.moe import active_matmul_params, expert_load, load_balancing_loss
 from muonrun.optim import split_params
 

@@ -21,7 +21,8 @@ import muonrun
 from muonrun.config import ModelConfig, load_config
 from muonrun.features.router_bias import attach
 from muonrun.model.attention import ATTENTION_NAME
-from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
+from muonrun.model.build import build_hf_config, build_model, init_weights
+from muonrun.model.causal_lm import CausalLMWithLoss
 from muonrun.model.moe import RouterLogits
 
 aten = torch.ops.aten

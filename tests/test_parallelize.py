@@ -4,7 +4,8 @@ import torch
 
 from muonrun.config import load_config
 from muonrun.data import build_tokenizer
-from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, decoder_layers
+from muonrun.model.build import build_hf_config, build_model, decoder_layers
+from muonrun.model.causal_lm import CausalLMWithLoss
 from muonrun.model.parallelize import apply_compile_and_checkpointing
 
 

@@ -21,7 +21,8 @@ from muonrun.config import ModelConfig, load_config
 from muonrun.errors import UserError
 from muonrun.features import enabled, qkclip
 from muonrun.features.qkclip import QKClip, causal_max_logit_matmul, check_measurable
-from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
+from muonrun.model.build import build_hf_config, build_model, init_weights
+from muonrun.model.causal_lm import CausalLMWithLoss
 
 # 6 query heads over 2 key heads (groups of 3), head_dim 8, Qwen2's query and key biases
 HF = dict(

@@ -73,7 +73,9 @@ def shard_info(p: Tensor, name: str) -> ShardInfo:
     group = shard_group(p)
     if group.world == 1:
         return LOCAL
-    rows_only = [type(p.placements[a]) for a in group.axes] == [Shard] and p.placements[group.axes[0]].dim == 0
+    rows_only = [type(p.placements[a]) for a in group.axes] == [Shard] and p.placements[
+        group.axes[0]
+    ].dim == 0
     return ShardInfo(group.group, group.world, group.rank, rows_only)
 
 
@@ -248,7 +250,10 @@ def _gather_blocks(part: Partition, items: list[Item]) -> None:
     """Every rank's rectangle of each matrix (``Item.blocks``), by rank of the shard group: one
     all-gather when the plan is built. ``chunk`` becomes the most rows any rank holds."""
     mine = torch.tensor(
-        [[it.corner[0], it.corner[0] + it.local_rows, it.corner[1], it.corner[1] + it.local_cols] for it in items],
+        [
+            [it.corner[0], it.corner[0] + it.local_rows, it.corner[1], it.corner[1] + it.local_cols]
+            for it in items
+        ],
         dtype=torch.int64,
         device=part.device,
     ).reshape(-1, 4)

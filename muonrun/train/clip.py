@@ -34,7 +34,9 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
         return torch.zeros(())
     layouts: dict[object, list[torch.Tensor]] = {}
     for g in grads:
-        layouts.setdefault((id(g.device_mesh), g.placements) if isinstance(g, DTensor) else None, []).append(g)
+        layouts.setdefault((id(g.device_mesh), g.placements) if isinstance(g, DTensor) else None, []).append(
+            g
+        )
     if any(pl.is_partial() for g in grads if isinstance(g, DTensor) for pl in g.placements):
         # pending partial sums: torch's general path
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)

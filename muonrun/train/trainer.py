@@ -21,8 +21,9 @@ from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
 from muonrun.eval import task_set
 from muonrun.features import enabled, flops_per_token, pretrained_name
-from muonrun.model.build import CausalLMWithLoss, architecture_of, build_hf_config, build_model, init_weights
+from muonrun.model.build import architecture_of, build_hf_config, build_model, init_weights
 from muonrun.model.build import flops_per_token as model_flops_per_token
+from muonrun.model.causal_lm import CausalLMWithLoss
 from muonrun.model.hf import load_pretrained
 from muonrun.model.moe import router_aux_loss_coef
 from muonrun.model.parallelize import parallelize

@@ -98,7 +98,7 @@ def reference(cfg, trainer):
     from transformers import AutoModelForCausalLM
 
     from muonrun.features.lora import apply_lora
-    from muonrun.model.build import CausalLMWithLoss
+    from muonrun.model.causal_lm import CausalLMWithLoss
 
     lm = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32)
     apply_lora(lm, cfg.model.lora)
@@ -243,7 +243,8 @@ def check_bf16_frozen(cfg) -> None:
     and FSDP2 trains the mix."""
     from muonrun.distributed import init_distributed
     from muonrun.features import enabled
-    from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
+    from muonrun.model.causal_lm import CausalLMWithLoss
+    from muonrun.model.build import build_hf_config, build_model, init_weights
     from muonrun.optim.build import build_optimizers
     from muonrun.model.parallelize import parallelize
 

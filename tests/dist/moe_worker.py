@@ -179,7 +179,8 @@ def router_bias_is_the_same_on_every_rank(mesh) -> None:
     the update every rank holds the same bias, the step the summed counts of all ranks call for."""
     from muonrun.config import ModelConfig
     from muonrun.features.router_bias import BIAS, COUNTS, RouterBias, attach, routers, update_biases
-    from muonrun.model.build import CausalLMWithLoss, build_hf_config, build_model, init_weights
+    from muonrun.model.causal_lm import CausalLMWithLoss
+    from muonrun.model.build import build_hf_config, build_model, init_weights
 
     hf = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16,
