@@ -86,3 +86,20 @@ def test_tensor_parallel_mistakes_exit_2_before_any_worker_starts(tmp_path):
         "pretrain", "tiny-moe", f"output_dir={tmp_path / 'moe'}", "parallel.tp=2", "--nproc-per-node", "2"
     )
     assert moe.returncode == 2 and "experts" in moe.stderr and "parallel.tp" in moe.stderr, moe.stderr
+
+
+def test_the_dry_run_plans_tensor_parallelism_and_refuses_what_the_launch_refuses():
+    """`--dry-run --world-size 16 parallel.tp=2`: the mesh with its tp axis, what tensor parallelism
+    sends, and Muon's Newton–Schulz over the tp x dp_shard ranks; a tp the key-value heads cannot
+    split, or one that does not divide the workers per node, exits 2 as the launch does."""
+    plan = muonrun(
+        "pretrain", "tiny", "--dry-run", "--world-size", "16", "parallel.tp=2", "optimizer.name=muon"
+    )
+    text = ok(plan)
+    assert "dp_shard=8 x tp=2" in text and "tensor parallel" in text and "Muon Newton–Schulz" in text, text
+    for overrides, says in (
+        (("parallel.tp=4",), "num_key_value_heads"),
+        (("parallel.tp=3",), "workers per node"),
+    ):
+        bad = muonrun("pretrain", "tiny", "--dry-run", "--world-size", "12", "--nnodes", "3", *overrides)
+        assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -77,13 +77,9 @@ def make_plan(cfg: Config) -> LaunchPlan:
     _, shard = mesh_shape(
         cfg, plan.world_size, f"{plan.nnodes} node(s) x {plan.nproc_per_node} workers per node"
     )
-    tp = cfg.parallel.tp
-    if plan.nproc_per_node % tp:
-        raise UserError(
-            f"Config key 'parallel.tp' is {tp}, which does not divide the {plan.nproc_per_node} workers per "
-            "node: the tensor-parallel ranks of a layer exchange activations in every layer and must share a "
-            "node. Choose a tp that divides --nproc-per-node (launch.nproc_per_node)."
-        )
+    from muonrun.model.tensor_parallel import check_tp_fits_node
+
+    check_tp_fits_node(cfg.parallel.tp, plan.nproc_per_node)
     if plan.nnodes > 1 and shard % plan.nproc_per_node and plan.nproc_per_node % shard:
         log.warning(
             f"parallel.dp_shard={shard} with {plan.nproc_per_node} workers per node: shard groups (consecutive "

@@ -94,6 +94,38 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
+def check_tp_fits_node(tp: int, per_node: int) -> None:
+    """The tensor-parallel ranks of a layer exchange activations in every layer: they share a node."""
+    if per_node % tp:
+        raise UserError(
+            f"Config key 'parallel.tp' is {tp}, which does not divide the {per_node} workers per node: the "
+            "tensor-parallel ranks of a layer exchange activations in every layer and must share a node. "
+            "Choose a tp that divides --nproc-per-node (launch.nproc_per_node)."
+        )
+
+
+def split_numel(model: nn.Module) -> int:
+    """Elements of the parameters tensor parallelism splits (the plan's Linear layers, every layer)."""
+    plan = layer_plan(model.config)
+    return sum(
+        p.numel()
+        for layer in decoder_layers(model)
+        for path in plan
+        if (module := _submodule(layer, path)) is not None
+        for p in module.parameters()
+    )
+
+
+def traffic_bytes_per_step(hf, cfg: Config, param_bytes: int) -> float:
+    """Bytes each tp rank sends per optimizer step for the layers' all-reduces: two in forward (after the
+    attention and the MLP's row-wise layers) and two in backward (the column-wise layers' input
+    gradients), of a micro-batch's hidden states each, as a ring all-reduce moves them."""
+    tp = cfg.parallel.tp
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps
+    per_reduce = tokens * hf.hidden_size * param_bytes * 2 * (tp - 1) / tp
+    return 4 * hf.num_hidden_layers * per_reduce
+
+
 def apply_tensor_parallel(layers: list[nn.Module], tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
     """Split each decoder layer's projections over `tp_mesh` as `plan` says (`layer_plan`). Outputs stay
     local tensors (the attention's view into heads and the MLP's product see their own part)."""

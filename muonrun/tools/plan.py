@@ -99,6 +99,12 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.launch.launcher import default_nproc
     from muonrun.model.build import check_model, count_params
     from muonrun.model.build import flops_per_token as model_flops_per_token
+    from muonrun.model.tensor_parallel import (
+        check_tensor_parallel,
+        check_tp_fits_node,
+        split_numel,
+        traffic_bytes_per_step,
+    )
     from muonrun.optim.groups import split_params
     from muonrun.optim.sharding import owner_flops
     from muonrun.tools.hub import hub_access
@@ -112,6 +118,8 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         raise UserError(f"--world-size {world} cannot be split evenly over --nnodes {nnodes}.")
     how = f"--world-size {world}" if world_size else f"{nnodes} node(s) x {world // nnodes} workers per node"
     replicate, shard = mesh_shape(cfg, world, how)
+    tp = cfg.parallel.tp
+    check_tp_fits_node(tp, world // nnodes)
     hub = hub_access(cfg)  # before anything asks the Hub: offline, it is asked nothing
     offline = hub is not None and hub != "reachable"
     vocab, tokenizer, data = tokenizer_and_data(cfg, check_data_here=world_size is None, offline=offline)
@@ -119,6 +127,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     if cfg.train.device == "cpu":  # a CPU plan: refused and warned about as the launch does
         check_cpu_plan(cfg, features)
     model = check_model(cfg.model, vocab, cfg.data.seq_len, features, cfg.train.router_z_loss_coef)
+    check_tensor_parallel(cfg, model, features)
     hf = model.config
     params = count_params(model)
     split = split_params(
@@ -133,7 +142,15 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     fpt = flops_per_token(features, model_flops_per_token(hf, cfg.data.seq_len), model)
     # bf16 compute unless asked for fp32 or planned for CPU (`auto` is bf16 on GPU, the usual target)
     param_bytes = 4 if cfg.parallel.param_dtype == "float32" or cfg.train.device == "cpu" else 2
-    states = memory_per_rank(params, muon_params, cfg.optimizer.name, shard, param_bytes)
+    # the layers tensor parallelism splits are sharded over tp x dp_shard, the rest over dp_shard
+    split_tp = split_numel(model) if tp > 1 else 0
+    muon_tp = split_tp if cfg.optimizer.name == "muon" else 0
+    rest = {k: v - split_tp for k, v in params.items() if k in ("total", "trainable")}
+    states = memory_per_rank(rest, muon_params - muon_tp, cfg.optimizer.name, shard, param_bytes)
+    if split_tp:
+        tp_part = {"total": split_tp, "trainable": split_tp}
+        tp_states = memory_per_rank(tp_part, muon_tp, cfg.optimizer.name, shard * tp, param_bytes)
+        states = {k: v + tp_states[k] for k, v in states.items()}
     targets, here = memory_targets(cfg, world // nnodes)
     return {
         "hub": hub,
@@ -145,22 +162,24 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         "flops_per_token": fpt,
         "world_size": world,
         "nnodes": nnodes,
-        "mesh": {"dp_replicate": replicate, "dp_shard": shard},
+        "mesh": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp},
+        "tp_bytes_per_rank_step": traffic_bytes_per_step(hf, cfg, param_bytes) if tp > 1 else 0,
         "tokens_per_step": tokens_per_step,
         "total_tokens": tokens_after(
             cfg.train.max_steps, 0, accum, cfg.train.batch_ramp, tokens_per_step // accum
         ),
         "model_flops_per_rank_step": fpt * tokens_per_step / world,
         "ns_flops_per_rank_step": (
-            owner_flops([p.shape for _, p in split.muon], shard, iteration.flops) if iteration else 0
+            # tensor-parallel matrices: one owner among all tp x dp_shard ranks holding a part
+            owner_flops([p.shape for _, p in split.muon], shard * tp, iteration.flops) if iteration else 0
         ),
         "ns_iteration": iteration.describe() if iteration else "",
         "expert_ns_flops_per_rank_step": (
             expert_ns_flops(
                 [(p.shape, split.expert_layouts[n]) for n, p in split.experts], iteration.flops, shard
             )
-            if iteration
-            else [0] * shard
+            if iteration and tp == 1  # tensor parallelism refuses experts
+            else [0] * shard * tp
         ),
         "memory_gib_per_rank": states,
         "activation_gib_per_rank": activation_gib(hf, cfg, param_bytes),
@@ -251,6 +270,21 @@ def hsdp_row(cfg: Config, s: dict) -> list[tuple[str, str]]:
     ]
 
 
+def tp_row(s: dict) -> list[tuple[str, str]]:
+    """What tensor parallelism sends (none without it)."""
+    if s["mesh"]["tp"] == 1:
+        return []
+    sent = s["tp_bytes_per_rank_step"]
+    return [
+        (
+            "tensor parallel",
+            f"attention and MLP projections split over tp={s['mesh']['tp']} ranks of a node (the model's "
+            f"base_model_tp_plan); {gib(sent / 2**30)} sent per rank and optimizer step in 4 all-reduces per "
+            "layer and micro-batch; embedding, norms and LM head run on every tp rank",
+        )
+    ]
+
+
 def ns_row(s: dict) -> list[tuple[str, str]]:
     """Muon's Newton–Schulz FLOPs per rank beside the model's (none without Muon)."""
     if not s["ns_flops_per_rank_step"]:
@@ -313,10 +347,13 @@ def print_plan(cfg: Config, world_size: int | None, overridden=()) -> None:
         device_row(cfg, s, world_size),
         (
             "world size",
-            f"{s['world_size']} (mesh dp_replicate={s['mesh']['dp_replicate']} x dp_shard={s['mesh']['dp_shard']})"
+            f"{s['world_size']} (mesh dp_replicate={s['mesh']['dp_replicate']} x dp_shard={s['mesh']['dp_shard']}"
+            + (f" x tp={s['mesh']['tp']}" if s["mesh"]["tp"] > 1 else "")
+            + ")"
             + (f", {s['nnodes']} nodes x {s['world_size'] // s['nnodes']}" if s["nnodes"] > 1 else ""),
         ),
         *hsdp_row(cfg, s),
+        *tp_row(s),
         ("tokens/step", f"{s['tokens_per_step']:,}"),
         *ramp_rows(cfg, s["tokens_per_step"]),
         ("total tokens", f"{s['total_tokens']:,} over {cfg.train.max_steps:,} steps"),
