@@ -52,7 +52,7 @@ def not_own(path: str | os.PathLike, kind: Literal["folder", "file"]) -> str | N
     path = Path(path)
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not there (its folder a file: said where it is made)
         return None
     if stat.S_ISLNK(mode):
         return f"a symbolic link (to '{os.readlink(path)}')"
