@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -138,8 +139,9 @@ def init_distributed(c: Config) -> Dist:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
             )
-        else:
-            dist.init_process_group(backend=backend, device_id=device_id)
+        else:  # a rank that stalls stops the job after launch.collective_timeout_s (launch/stall.py)
+            timeout = timedelta(seconds=c.launch.collective_timeout_s)
+            dist.init_process_group(backend=backend, device_id=device_id, timeout=timeout)
     replicate, shard = mesh_shape(c, world)
     axes = [("dp_replicate", replicate)] if replicate > 1 else []
     axes += [("dp_shard", shard)] + ([("tp", c.parallel.tp)] if c.parallel.tp > 1 else [])

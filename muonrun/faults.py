@@ -10,6 +10,8 @@
     MUONRUN_FAULT=int@6            rank 0 sends SIGINT to the launcher after step 6 (Ctrl-C); int2@6 twice
     MUONRUN_FAULT=hang@6           rank 0's step 6 lasts until a stop request reaches it (10 minutes at
                                    most): a very long step, for stop requests, kills and a second launch
+    MUONRUN_FAULT=hang@prepare     the rank that tokenizes a source waits there until a stop request
+                                   reaches it (10 minutes at most): a long data preparation
 
 Append `:rN` to pick another rank (`nan@7:r1`). A fault fires only in the first attempt of a job
 (TORCHELASTIC_RESTART_COUNT unset or 0), so `--max-restarts` can show the recovery.
@@ -40,16 +42,19 @@ class Fault:
     step: int
     at_save: bool = False
     rank: int = 0
+    at_prepare: bool = False
 
 
 def parse(spec: str | None) -> Fault | None:
     if not spec:
         return None
+    if spec.strip() == "hang@prepare":
+        return Fault("hang", 0, at_prepare=True)
     m = _SPEC.match(spec.strip())
     if not m or (m.group(2) and m.group(1) != "kill"):
         raise ValueError(
             f"{ENV}='{spec}' is not one of nan@STEP, kill@STEP, kill@save:STEP, term@STEP, terms@STEP, int@STEP, "
-            "int2@STEP, hang@STEP (+ :rRANK)"
+            "int2@STEP, hang@STEP (+ :rRANK), hang@prepare"
         )
     return Fault(m.group(1), int(m.group(3)), bool(m.group(2)), int(m.group(4) or 0))
 
@@ -97,6 +102,17 @@ def _repeat_term(launcher: int) -> None:
     while True:
         os.kill(launcher, signal.SIGTERM)
         time.sleep(0.02)
+
+
+def during_prepare(stop_requested) -> None:
+    """`hang@prepare`: called as a source's tokenization starts, on whichever rank builds it; waits (10
+    minutes at most) until `stop_requested()`."""
+    fault = parse(os.environ.get(ENV))
+    if fault is None or not fault.at_prepare or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    deadline = time.monotonic() + 600
+    while not stop_requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def during_save(step: int, rank: int) -> None:

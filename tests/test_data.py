@@ -579,6 +579,30 @@ def test_missing_paths(tmp_path):
         check_data(make_cfg([str(tmp_path / "nope.jsonl")]))
 
 
+def test_pipes_and_devices_in_a_data_folder_are_skipped_naming_them_and_refused_when_named_alone(
+    tmp_path, capsys
+):
+    """Opening a FIFO waits for a writer forever: the rank building the cache would block, the others wait
+    on its lock, and no stop request gets through."""
+    from muonrun.data.sources import resolve_files
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", docs(50))
+    os.mkfifo(folder / "b.jsonl")
+    for path in (str(folder), str(folder / "*.jsonl")):
+        key = f"data.sources.{len(path)}"  # each its own key: said once per source
+        assert resolve_files(SourceConfig(path=path), key) == [str(folder / "a.jsonl")]
+        said = " ".join(capsys.readouterr().err.split())
+        assert (
+            f"{key}.path: skipping '{folder / 'b.jsonl'}', a named pipe (FIFO): muonrun reads regular" in said
+        )
+    assert next(build_loader(make_cfg([str(folder)]), build_tokenizer("byte")))  # trains on the rest
+    expect_error(
+        make_cfg([str(folder / "b.jsonl")]), r"is a named pipe \(FIFO\), not a file muonrun can read"
+    )
+
+
 def test_empty_and_too_short(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     expect_error(make_cfg([str(tmp_path / "empty.jsonl")]), r"data.sources.0.*no documents")

@@ -66,6 +66,26 @@ def requested() -> bool:
     return _requested is not None
 
 
+class StoppedEarly(BaseException):  # noqa: N818 (an event, like KeyboardInterrupt; libraries pass it on)
+    """A stop request during start-up work that cannot be saved and may take long (data preparation):
+    the worker stops at once, with nothing trained or saved."""
+
+
+PREPARING = "preparing the data"
+
+
+def check_stop(what: str = PREPARING) -> None:
+    """Raise `StoppedEarly` if this process got a stop request: called every few seconds at most by work
+    before training (`what` it is doing, in the same words on every rank: the launcher prints it once)."""
+    if _requested is None:
+        return
+    name = signal.Signals(_requested).name
+    raise StoppedEarly(
+        f"got {name} while {what}: stopped before the first step, so nothing was trained or saved. Rerun to "
+        "continue: the data sources already prepared stay in the cache (MUONRUN_CACHE)."
+    )
+
+
 def _record_early(signum, frame) -> None:
     global _requested
     if signum == signal.SIGHUP:

@@ -429,8 +429,19 @@ class LaunchConfig:
     several nodes every node restarts its workers together; a node's launcher must stay alive."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: `auto` (nccl on GPU, gloo on CPU), `nccl` or `gloo`."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective (an all-reduce, all-gather, barrier) waits for every rank before the job stops
+    and says which rank stalled (a hung filesystem, a stuck GPU, a lost node) instead of waiting forever;
+    nothing of the step it stalled in is saved, and a rerun resumes from the latest checkpoint. It must
+    outlast the longest wait of a healthy job: a save or a pretrained model's download on one rank while
+    the others wait, the first step's compilation (docs/clusters.md)."""
 
     def __post_init__(self) -> None:
+        if not self.collective_timeout_s > 0:
+            raise UserError(
+                f"Config key 'launch.collective_timeout_s' is {self.collective_timeout_s}; it must be positive "
+                "(seconds a collective waits for every rank)."
+            )
         at_least(1, **{"launch.nnodes": self.nnodes})
         not_negative(**{"launch.max_restarts": self.max_restarts})
         if self.nproc_per_node is not None:

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from muonrun import log
+from muonrun import faults, log
+from muonrun.checkpoint.stop import check_stop, requested
 from muonrun.data.identity import fingerprints
 from muonrun.data.sources import load_parts, read_error, resolve_files
 from muonrun.data.tokenizer import encode_docs
@@ -112,8 +113,15 @@ def _file_lock(path: Path):
         yield  # no locking here: the atomic rename alone keeps it correct
         return
     try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fh, fcntl.LOCK_EX)
+        while True:  # waits for the rank building the entry, but stops on a stop request
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                check_stop()
+                time.sleep(0.2)
+            except OSError:
+                break  # no locking on this filesystem
         yield
     finally:
         fh.close()
@@ -196,8 +204,10 @@ def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | No
     if sum(len(p.ds) for p in parts) == 0:
         raise UserError(f"Source '{key}' ({src.path}, split '{src.split}') has no documents.")
     checked = _check_records(src, key, parts, skip)
+    faults.during_prepare(requested)  # MUONRUN_FAULT=hang@prepare
 
     def tokenize(batch: pa.Table) -> pa.Table:
+        check_stop()  # SIGTERM or Ctrl-C stop the preparation within a batch
         values, lens = encode_docs(tok, good_texts(batch.column("text")))  # bad records left out
         offsets = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(lens, out=offsets[1:])
@@ -223,6 +233,7 @@ def _write_tokens(src, key: str, tok, data_cfg, tmp: Path, files: list[str] | No
             except UserError:
                 raise
             except Exception as e:
+                check_stop()  # a stop request datasets' worker processes met first
                 raise read_error(e, src, key, part.files) from None
             num_docs += len(mapped)
             for table in mapped.with_format("arrow").iter(batch_size=8192):

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
+from muonrun.checkpoint.stop import LAUNCHER_PID_ENV
 from muonrun.data.formats import BINARY, COMPRESSION, READERS, nonempty_files, reader_for
 from muonrun.errors import UserError
 
@@ -28,8 +30,39 @@ def _usable(path: str) -> bool:
     return not p.name.startswith(".") and p.suffix.lower() not in BINARY and "__pycache__" not in p.parts
 
 
+def _special(path: str) -> str | None:
+    """What `path` is when it is not a regular file or folder (a named pipe, socket or device: opening one
+    can wait forever), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+def _without_special(files: list[str], key: str) -> list[str]:
+    """`files` less the special ones (pipes, sockets, devices), each named in one warning."""
+    special = [(f, what) for f in files if (what := _special(f))]
+    if special and os.environ.get(LAUNCHER_PID_ENV, str(os.getpid())) == str(os.getpid()):
+        from muonrun import log  # said once, by the launcher (or the process alone), not by every worker
+
+        shown = "; ".join(f"'{f}', {what}" for f, what in special[:3])
+        more = f"; and {len(special) - 3} more" if len(special) > 3 else ""
+        log.once(
+            f"special:{key}",
+            f"{key}.path: skipping {shown}{more}: muonrun reads regular files only (opening a pipe or a "
+            "device can wait forever).",
+            warn=True,
+        )
+    return [f for f in files if not _special(f)]
+
+
 def resolve_files(src, key: str) -> list[str] | None:
-    """Absolute paths of a local source's files (sorted), or None when `path` is a Hub dataset id."""
+    """Absolute paths of a local source's files (sorted), or None when `path` is a Hub dataset id. Named
+    pipes, sockets and devices are skipped with a warning (reading one can wait forever), refused when
+    named alone."""
     raw = src.path
     if not raw or raw == "???":
         raise UserError(
@@ -37,7 +70,10 @@ def resolve_files(src, key: str) -> list[str] | None:
         )
     path = os.path.expanduser(raw)
     if glob.has_magic(path):
-        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f) and _usable(f)]
+        matched = [
+            f for f in glob.glob(path, recursive=True) if (os.path.isfile(f) or _special(f)) and _usable(f)
+        ]
+        files = _without_special(matched, key)
         if not files:
             raise UserError(
                 f"Config key '{key}.path' is the glob '{raw}', which matches no readable files "
@@ -48,10 +84,16 @@ def resolve_files(src, key: str) -> list[str] | None:
         for root, dirs, names in os.walk(path):
             dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
             files += [os.path.join(root, n) for n in names if _usable(os.path.join(root, n))]
+        files = _without_special(files, key)
         if not files:
             raise UserError(f"Config key '{key}.path' is the folder '{raw}', which holds no readable files.")
     elif os.path.isfile(path):
         files = [path]
+    elif what := _special(path):
+        raise UserError(
+            f"Config key '{key}.path' is '{raw}', which is {what}, not a file muonrun can read (reading it could "
+            "wait forever). Name a regular file, a folder or a glob."
+        )
     elif raw.startswith(("/", "./", "../", "~")) or Path(raw.lower()).suffix in _LOCAL_HINT_EXTS:
         raise UserError(
             f"Config key '{key}.path' is '{raw}', which does not exist (relative paths start at {os.getcwd()})."

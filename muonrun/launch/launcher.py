@@ -26,7 +26,14 @@ from muonrun.errors import UserError
 from muonrun.launch.lock import RunLock
 from muonrun.launch.run_folder import CONTROL_DIR, check_output_dir
 from muonrun.launch.supervise import Supervisor, WorkersReported, quiet_leak_warnings
-from muonrun.launch.worker import CONTROL_ENV, NON_FINITE_EXIT, REPORTS, USER_ERROR_EXIT, worker_entry
+from muonrun.launch.worker import (
+    CONTROL_ENV,
+    NON_FINITE_EXIT,
+    REPORTS,
+    STOPPED_EXIT,
+    USER_ERROR_EXIT,
+    worker_entry,
+)
 from muonrun.paths import own_folder, remove_own
 
 
@@ -282,9 +289,11 @@ def _elastic(plan: LaunchPlan, config_yaml: str, output_dir: Path, checkpoint: C
             elastic_launch(lc, worker_entry)(config_yaml)
         code = 0
     except WorkersReported:
-        code = report_worker_errors(control / "reports") or 1
+        reported = report_worker_errors(control / "reports")
+        code = 1 if reported is None else reported
     except ChildFailedError as e:
-        code = report_worker_errors(control / "reports") or _report_failure(e, supervisor.cause())
+        reported = report_worker_errors(control / "reports")
+        code = _report_failure(e, supervisor.cause()) if reported is None else reported
     except SignalException as e:
         log.error(f"got {e.sigval.name}: the workers were stopped without saving.")
         code = 128 + int(e.sigval)
@@ -332,18 +341,18 @@ def _report_failure(e, cause: tuple[int, str] | None = None) -> int:
 
 
 def report_worker_errors(folder: Path) -> int | None:
-    """After a failed job: print the user mistakes and non-finite steps the workers reported (each
-    distinct message once) and return the exit code they call for; None if no worker reported one.
+    """After a stopped job: print the user mistakes, non-finite steps and early stops the workers reported
+    (each distinct message once) and return the exit code they call for; None if no worker reported one.
 
     The reports decide, not the workers' exit statuses: the launcher stops every worker once one
     reports (the others die of its SIGKILL)."""
     reports = sorted(folder.glob(REPORTS))
     if not reports:
         return None
-    for message in dict.fromkeys(p.read_text() for p in reports):
-        log.error(message)
     codes = {int(p.name.removeprefix("exit").split("-")[0]) for p in reports}
-    return USER_ERROR_EXIT if USER_ERROR_EXIT in codes else NON_FINITE_EXIT
+    for message in dict.fromkeys(p.read_text() for p in reports):
+        (log.info if codes == {STOPPED_EXIT} else log.error)(message)
+    return next(c for c in (USER_ERROR_EXIT, NON_FINITE_EXIT, *sorted(codes)) if c in codes)
 
 
 def split_endpoint(endpoint: str, default_port: int = 29500) -> tuple[str, int]:

@@ -9,7 +9,9 @@
   error that ended it), so the launcher can say which rank failed and how.
 - A user mistake (exit code 2) or a non-finite step (3) is reported, not raised: one paragraph in
   `reports/`, then SIGUSR2 to the launcher, which stops every worker at once and exits with that code
-  without restarting (resuming is exact, so a restart would meet the same failure at the same step).
+  without restarting (resuming is exact, so a restart would meet the same failure at the same step). So is
+  a stop request during data preparation (exit code 0: nothing was trained, so nothing is lost), and a
+  collective that timed out with no restart left (exit code 1, naming the rank that stalled).
 """
 
 from __future__ import annotations
@@ -25,11 +27,19 @@ import time
 from pathlib import Path
 
 from muonrun import log
-from muonrun.checkpoint.stop import LAUNCHER_PID_ENV, TERMINAL_SIGNALS, ignore_stop_requests, record_early
+from muonrun.checkpoint.stop import (
+    LAUNCHER_PID_ENV,
+    TERMINAL_SIGNALS,
+    StoppedEarly,
+    ignore_stop_requests,
+    record_early,
+)
 from muonrun.errors import UserError
 
 USER_ERROR_EXIT = 2
 NON_FINITE_EXIT = 3
+STOPPED_EXIT = 0  # stopped on request before training (data preparation): nothing lost, nothing saved
+STALLED_EXIT = 1  # a collective timed out: a rank stalled (launch/stall.py)
 CONTROL_ENV = "MUONRUN_CONTROL_DIR"  # the launcher's control folder on this node
 REPORTED = signal.SIGUSR2  # a worker's "I reported; stop us all" to its launcher
 REPORTS = "exit*-rank*.txt"  # a report's name: the exit code it calls for and the reporting rank
@@ -49,7 +59,9 @@ def worker_entry(config_yaml: str) -> None:
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from muonrun.config import from_yaml
     from muonrun.distributed import release_process_groups
+    from muonrun.launch.stall import is_timeout, restarts_left, stall_message, stalled_ranks
     from muonrun.train.trainer import NonFiniteError, run_worker
 
     code, message = 0, ""
@@ -58,11 +70,17 @@ def worker_entry(config_yaml: str) -> None:
         ignore_stop_requests()
     except (UserError, NonFiniteError) as e:
         code, message = (USER_ERROR_EXIT if isinstance(e, UserError) else NON_FINITE_EXIT), str(e)
+    except StoppedEarly as e:  # a stop request before training: nothing to save, every rank stops now
+        code, message = STOPPED_EXIT, str(e)
     except BaseException as e:
-        lines = str(e).strip().splitlines()
-        register(failure=f"{type(e).__name__}: {lines[0] if lines else ''}")  # for the restart message
-        raise
-    if code:  # outside the except block: the error's traceback (and the trainer its frames hold) is gone
+        if is_timeout(e) and not restarts_left():  # a rank stalled: say which, once, without tracebacks
+            timeout_s = from_yaml(config_yaml).launch.collective_timeout_s
+            code, message = STALLED_EXIT, stall_message(stalled_ranks(min(timeout_s, 60.0)), timeout_s)
+        else:
+            lines = str(e).strip().splitlines()
+            register(failure=f"{type(e).__name__}: {lines[0] if lines else ''}")  # for the restart message
+            raise
+    if message:  # outside the except block: the error's traceback (and the trainer its frames hold) is gone
         report(code, message)
     release_process_groups()
     # The exit frees everything at once: collecting the objects torch and transformers made first costs
