@@ -172,10 +172,10 @@ def test_one_writer_per_run_folder_workers_die_with_their_launcher_and_hup_and_q
     first_five, rerun_five = losses(out)[5]
     assert rerun_five == first_five
     assert "got SIGHUP: the workers save a checkpoint within two steps" in text
-    stopped = max(
-        losses(out)
-    )  # the stop is agreed one step late: after step 11, or 12 if it came in the hang
-    assert stopped in (11, 12) and f"Stopped by signal after step {stopped}" in text, text[-4000:]
+    # The stop is agreed one step late: after step 11, or 12 if it came in the hang; after step 10 if it
+    # came before step 10 began (row 8 is written with step 8's save, so the signal can come that early).
+    stopped = max(losses(out))
+    assert stopped in (10, 11, 12) and f"Stopped by signal after step {stopped}" in text, text[-4000:]
     assert checkpoints(out) == ["step-4", "step-8", f"step-{stopped}"]
     assert "Traceback" not in text and "terminate called" not in text
 
