@@ -607,7 +607,8 @@ def test_init_from_takes_weights_only(adamw_ref, tmp_path):
     (out / "hf" / "stale.txt").write_text("from the first export")
     again = [f"checkpoint.init_from={step}", "train.max_steps=1", "checkpoint.export_at_end=true"]
     text = ok(pretrain(out, *again, nproc=1))
-    assert "Nothing to train: this run is complete at step 1" in text and "Exported" in text
+    assert "Nothing to train: this run is complete at step 1" in text
+    assert f"{out / 'hf'}: AutoModelForCausalLM.from_pretrained" in text  # the summary's export line
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("hf")) == ["hf"]
     assert not (out / "hf" / "stale.txt").exists() and (out / "hf" / "model.safetensors").exists()
     assert f'from_pretrained("{out / "hf"}")' in (out / "hf" / "README.md").read_text()  # not hf.new

@@ -51,7 +51,7 @@ def test_a_preemption_between_logged_steps_resumes_the_logged_loss_exactly_and_a
     # the same command again, or with fewer steps: nothing to train, nothing in the folder rewritten
     before = digest(out / "config.yaml", out / "metrics.jsonl")
     text = ok(run(out, "train.max_steps=4"))
-    assert "Nothing to train: this run is complete at step 8 (train.max_steps=4); its folder is left" in text
+    assert "Nothing to train: this run is complete at step 8 (train.max_steps=4); its config" in text
     assert digest(out / "config.yaml", out / "metrics.jsonl") == before
 
 

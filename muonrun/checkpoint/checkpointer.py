@@ -129,7 +129,6 @@ class Checkpointer:
         self._published: int | None = None
         self._stopping = False
         self._pending: PendingSave | None = None
-        self._writing: Path | None = None  # the step-N.tmp of a save not yet published
         # An async save's files are hashed on this thread once written, so the training thread only
         # waits for the manifest and the rename.
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonrun-hash")
@@ -191,7 +190,6 @@ class Checkpointer:
             return self._save(step, tokens_seen, last, final, tmp)
 
     def _save(self, step: int, tokens_seen: int, last: bool, final: Path, tmp: Path) -> Path:
-        self._writing = tmp
         if self.dist.is_main:
             remove_own(tmp)
             tmp.mkdir(parents=True)
@@ -315,7 +313,7 @@ class Checkpointer:
             how = "written and hashed in the background" if background else f"written in {seconds:.1f}s"
             log.info(f"checkpoint {final} saved ({how}; checksums {hash_seconds:.1f}s)")
         dist.barrier()
-        self._published, self._writing = step, None
+        self._published = step
 
     def _check_shared(self, tmp: Path, wait_s: float = 30.0) -> None:
         """Every rank's file must be visible to rank 0; otherwise output_dir is node-local."""
@@ -455,15 +453,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Also runs after an error: an unpublished async save is waited for (best effort) but never
-        published, since the other ranks may be gone; rank 0 removes the half-written folder of a save that
-        an error interrupted (a collective that timed out, a peer that died), as the next run would."""
+        published, since the other ranks may be gone."""
         if self._pending is not None:
             with contextlib.suppress(Exception):
                 self._pending.hashed.result(timeout=600)
             self._pending = None
-        if self._writing is not None and self.dist.is_main:
-            remove_own(self._writing)
-            self._writing = None
         self._hasher.shutdown(wait=False)
         self.flag.restore()
 

@@ -164,7 +164,7 @@ class Trainer:
         except BaseException:
             self.checkpointer.close()  # gives the signal handlers back: no Trainer exists to close it
             raise
-        # A finished run rerun trains nothing and changes nothing in its folder (config, metrics, export).
+        # A finished run rerun trains nothing and leaves its config and metrics as they were.
         self.complete = self.state.step >= cfg.train.max_steps
         if self.dist.is_main and not self.complete:  # only now: a run refused at load leaves the config be
             write_run_config(Path(cfg.output_dir), config_yaml)
@@ -287,8 +287,8 @@ class Trainer:
         if self.complete:
             self.metrics.note(
                 f"Nothing to train: this run is complete at step {self.state.step} (train.max_steps="
-                f"{cfg.train.max_steps}); its folder is left as it was. Raise train.max_steps to train on, or "
-                "set name (or output_dir) for a new run."
+                f"{cfg.train.max_steps}); its config and metrics are left as they were. Raise train.max_steps to "
+                "train on, or set name (or output_dir) for a new run."
             )
             return
         self.metrics.start(self.state)
@@ -335,7 +335,7 @@ class Trainer:
         self.checkpointer.finish()
         step, cfg = self.state.step, self.cfg
         out = None
-        if cfg.checkpoint.export_at_end and step >= cfg.train.max_steps and not self.complete:
+        if cfg.checkpoint.export_at_end and step >= cfg.train.max_steps:  # a rerun exports again: its own
             if self.dist.is_main:
                 out = export_replacing(
                     Path(cfg.output_dir) / "checkpoints" / f"step-{step}", Path(cfg.output_dir) / "hf"
