@@ -30,6 +30,10 @@ Why each one is here, and not torch's public API:
   inductor keeps a value cast down and back up within one kernel at full precision, which makes the low
   half (the value minus its bf16 rounding) zero: the split restart would then run on a bf16 Gram matrix,
   which is what it exists to avoid.
+- `nn.Module._parameters`: where a module keeps its parameters. Expert parallelism (muonrun/model/
+  expert_parallel.py) runs transformers' experts forward on the local shards of its DTensor weights for
+  the duration of one call (`local_parameters`), as transformers' own expert parallelism does; a
+  module's `__setattr__` refuses a plain tensor where a Parameter is registered.
 """
 
 from __future__ import annotations
@@ -163,3 +167,17 @@ def precise_casts() -> dict[str, bool]:
             "precise_casts needs another way to keep casts' rounding in compiled kernels"
         )
     return {"emulate_precision_casts": True}
+
+
+@contextlib.contextmanager
+def local_parameters(module: torch.nn.Module, through: Callable[[Tensor], Tensor] = lambda t: t):
+    """Within the block, `module`'s own DTensor parameters are their local shards passed `through` a
+    differentiable function (gradients reach the DTensors); restored after it."""
+    from torch.distributed.tensor import DTensor
+
+    originals = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+    module._parameters.update({n: through(p.to_local()) for n, p in originals.items()})
+    try:
+        yield
+    finally:
+        module._parameters.update(originals)

@@ -33,6 +33,9 @@ class Dist:
     mesh: DeviceMesh
     """The mesh, outermost axis first: ("dp_shard",) for FSDP, ("dp_replicate", "dp_shard") for HSDP,
     either with "tp" innermost for tensor parallelism."""
+    expert_mesh: DeviceMesh | None = None
+    """With expert parallelism, the same ranks as (dp_replicate, efsdp, ep): dp_shard split into the
+    experts' FSDP axis and "ep" innermost (model/expert_parallel.py); None without."""
 
     @property
     def is_main(self) -> bool:
@@ -148,7 +151,15 @@ def init_distributed(c: Config) -> Dist:
     mesh = init_device_mesh(
         device_type, tuple(n for _, n in axes), mesh_dim_names=tuple(name for name, _ in axes)
     )
-    return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device, mesh=mesh)
+    expert_mesh = None
+    if c.parallel.ep > 1:
+        ep = c.parallel.ep
+        axes = [("dp_replicate", replicate)] if replicate > 1 else []
+        axes += [("efsdp", shard // ep), ("ep", ep)]
+        expert_mesh = init_device_mesh(
+            device_type, tuple(n for _, n in axes), mesh_dim_names=tuple(name for name, _ in axes)
+        )
+    return Dist(rank, local_rank, world, device, mesh, expert_mesh)
 
 
 @dataclass(frozen=True)

@@ -280,3 +280,21 @@ def test_inductor_emulate_precision_casts_keeps_the_split_low_half():
     eager = _split(T, torch.bfloat16)
     compiled = torch.compile(_split, dynamic=False, options=options)(T, torch.bfloat16)
     assert torch.equal(compiled, eager) and eager[..., 16:].abs().max() > 0
+
+
+def test_nn_module_parameters_swapped_for_local_shards_and_back(world_of_one):
+    """`nn.Module._parameters`: `local_parameters` runs a block on the local shards of a module's DTensor
+    parameters, gradients reaching the DTensors, and restores them after."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    lin = torch.nn.Linear(3, 4, bias=False)
+    lin.weight = torch.nn.Parameter(
+        distribute_tensor(torch.ones(4, 3), init_device_mesh("cpu", (1,)), [Shard(0)])
+    )
+    original = lin.weight
+    with compat.local_parameters(lin):
+        assert not isinstance(lin.weight, DTensor) and lin.weight.shape == (4, 3)
+        lin(torch.ones(2, 3)).sum().backward()
+    assert lin.weight is original and isinstance(original.grad, DTensor)
+    assert torch.equal(original.grad.to_local(), torch.full((4, 3), 2.0))

@@ -189,6 +189,12 @@ class ParallelConfig:
     column-wise in, row-wise out), FSDP2 shards over the data-parallel axes, and the tp ranks of one
     data-parallel rank read the same batch. It must divide the attention heads, the key-value heads
     and launch.nproc_per_node. Pays for models whose layers outgrow FSDP alone (docs/clusters.md)."""
+    ep: int = 1
+    """Expert-parallel ranks for a mixture of experts: each MoE layer's routed experts are split whole over
+    ep consecutive ranks of a shard group, and every token travels to the ranks holding its experts and
+    back (two all-to-alls per layer); the experts are FSDP-sharded over the dp_shard / ep ranks left, the
+    rest of the model over all of them. It must divide parallel.dp_shard and the experts per layer.
+    Pays where gathering every expert of a layer costs more than sending the tokens (docs/moe.md)."""
     reshard_after_forward: bool = True
     """Free the gathered parameters after forward (less memory, one more all-gather in backward)."""
     param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -220,6 +226,10 @@ class ParallelConfig:
                 raise UserError(
                     f"Config key '{key}' is {value}; it must be at least 1, or -1 (see `muonrun config docs`)."
                 )
+        if self.ep < 1:
+            raise UserError(
+                f"Config key 'parallel.ep' is {self.ep}; it must be at least 1 (1: no expert parallelism)."
+            )
         if self.tp < 1:
             raise UserError(
                 f"Config key 'parallel.tp' is {self.tp}; it must be at least 1 (1: no tensor parallelism)."

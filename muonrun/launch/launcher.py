@@ -156,6 +156,7 @@ def launch(cfg: Config) -> int:
     from muonrun.eval import check_tasks
     from muonrun.features import enabled
     from muonrun.model.build import check_model
+    from muonrun.model.expert_parallel import check_expert_parallel
     from muonrun.model.tensor_parallel import check_tensor_parallel
     from muonrun.optim.groups import split_params
 
@@ -175,6 +176,7 @@ def launch(cfg: Config) -> int:
         cfg.model, tokenizer.vocab_size, cfg.data.seq_len, features, cfg.train.router_z_loss_coef
     )
     check_tensor_parallel(cfg, model, features)
+    check_expert_parallel(cfg, model, mesh_shape(cfg, plan.world_size)[1])
     if cfg.optimizer.name == "muon":  # its patterns against the (meta) model's parameters
         split_params(model, cfg.optimizer.muon.muon_patterns, cfg.optimizer.muon.adamw_patterns)
     config_yaml = to_yaml(cfg)

@@ -78,6 +78,9 @@ def step_fields(row: dict, max_steps: int, eta: float | None) -> list[tuple[str,
         fields.append(("aux", f"{row['aux_loss']:.4f}"))
         if row.get("expert_load_max_mean") is not None:
             fields.append(("load", f"{row['expert_load_max_mean']:.2f}x"))
+    if row.get("ep_tokens_received") is not None:  # expert parallelism: the busiest rank's tokens, a2a time
+        fields.append(("ep_recv", f"{row['ep_tokens_received']:,.0f}"))
+        fields.append(("a2a", f"{row['ep_all_to_all_s']:.3f}s"))
     if row.get("mfu") is not None:
         fields.append(("mfu", f"{row['mfu'] * 100:.1f}%"))
     if row.get("peak_mem_gib") is not None:

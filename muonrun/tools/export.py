@@ -171,14 +171,7 @@ def export_hf(
 
 
 def current_umask() -> int:
-    """This process's umask, read without changing it where Linux shows it (another thread may be creating
-    files), else set and restored."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
+    """This process's umask (set and restored: the only way Python reads it)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -99,6 +99,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
     from muonrun.launch.launcher import default_nproc
     from muonrun.model.build import check_model, count_params
     from muonrun.model.build import flops_per_token as model_flops_per_token
+    from muonrun.model.expert_parallel import check_expert_parallel, plan_numbers
     from muonrun.model.tensor_parallel import (
         check_tensor_parallel,
         check_tp_fits_node,
@@ -128,6 +129,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         check_cpu_plan(cfg, features)
     model = check_model(cfg.model, vocab, cfg.data.seq_len, features, cfg.train.router_z_loss_coef)
     check_tensor_parallel(cfg, model, features)
+    check_expert_parallel(cfg, model, shard)
     hf = model.config
     params = count_params(model)
     split = split_params(
@@ -164,6 +166,7 @@ def plan_summary(cfg: Config, world_size: int | None) -> dict:
         "nnodes": nnodes,
         "mesh": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp},
         "tp_bytes_per_rank_step": traffic_bytes_per_step(hf, cfg, param_bytes) if tp > 1 else 0,
+        "ep": plan_numbers(hf, cfg, param_bytes) if cfg.parallel.ep > 1 else None,
         "tokens_per_step": tokens_per_step,
         "total_tokens": tokens_after(
             cfg.train.max_steps, 0, accum, cfg.train.batch_ramp, tokens_per_step // accum
@@ -270,6 +273,22 @@ def hsdp_row(cfg: Config, s: dict) -> list[tuple[str, str]]:
     ]
 
 
+def ep_row(cfg: Config, s: dict) -> list[tuple[str, str]]:
+    """What expert parallelism sends and saves (none without it)."""
+    if s["ep"] is None:
+        return []
+    ep, efsdp = cfg.parallel.ep, s["mesh"]["dp_shard"] // cfg.parallel.ep
+    return [
+        (
+            "expert parallel",
+            f"experts split over ep={ep} ranks, FSDP-sharded over the {efsdp} left of each shard group; each "
+            f"rank gathers {gib(s['ep']['gathered_bytes'] / 2**30)} of expert weights per layer (its experts "
+            f"alone) and sends {gib(s['ep']['all_to_all_bytes'] / 2**30)} of tokens per optimizer step in 4 "
+            "all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and backward)",
+        )
+    ]
+
+
 def tp_row(s: dict) -> list[tuple[str, str]]:
     """What tensor parallelism sends (none without it)."""
     if s["mesh"]["tp"] == 1:
@@ -354,6 +373,7 @@ def print_plan(cfg: Config, world_size: int | None, overridden=()) -> None:
         ),
         *hsdp_row(cfg, s),
         *tp_row(s),
+        *ep_row(cfg, s),
         ("tokens/step", f"{s['tokens_per_step']:,}"),
         *ramp_rows(cfg, s["tokens_per_step"]),
         ("total tokens", f"{s['total_tokens']:,} over {cfg.train.max_steps:,} steps"),

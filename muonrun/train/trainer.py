@@ -24,6 +24,7 @@ from muonrun.features import enabled, flops_per_token, pretrained_name
 from muonrun.model.build import architecture_of, build_hf_config, build_model, init_weights
 from muonrun.model.build import flops_per_token as model_flops_per_token
 from muonrun.model.causal_lm import CausalLMWithLoss
+from muonrun.model.expert_parallel import take_counts
 from muonrun.model.hf import load_pretrained
 from muonrun.model.moe import router_aux_loss_coef
 from muonrun.model.parallelize import parallelize
@@ -99,7 +100,9 @@ class Trainer:
             router_aux_loss_coef(cfg, self.hf_config),
             cfg.train.router_z_loss_coef,
         )
-        parallelize(self.model, self.dist.mesh, cfg.parallel, device_type, self.features)
+        parallelize(
+            self.model, self.dist.mesh, cfg.parallel, device_type, self.features, self.dist.expert_mesh
+        )
         self.model.to_empty(device=self.dist.device)
         init_weights(
             self.model, self.hf_config.initializer_range, cfg.train.seed, self.dist.device, self.features
@@ -243,6 +246,9 @@ class Trainer:
         """This step's optimizer and features' telemetry as device tensors (read one step late)."""
         values = optimizer_telemetry(self.optimizers) if self.cfg.logging.optimizer_telemetry else {}
         values.update(self.model.moe_telemetry())
+        values.update(
+            {k: torch.tensor(v, device=self.dist.device) for k, v in take_counts(self.model).items()}
+        )
         for feature in self.features:
             values.update(feature.telemetry())
         return values
