@@ -67,7 +67,7 @@ def check_tensor_parallel(cfg: Config, model: nn.Module, features: list[Feature]
     if is_moe(hf):
         raise UserError(
             f"Config key 'parallel.tp' is {tp}, but this model ({hf.model_type}) has experts: muonrun splits "
-            "dense layers only. Set parallel.tp=1 (FSDP2 shards the experts)."
+            "dense layers only. Set parallel.tp=1 (FSDP2 shards the experts; parallel.ep splits them over ranks)."
         )
     unsupported = [f.name for f in features if not f.tensor_parallel]
     if unsupported:
