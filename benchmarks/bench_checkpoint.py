@@ -77,10 +77,10 @@ def main() -> None:
     args = ap.parse_intermixed_args()
 
     import muonrun.checkpoint.checkpointer as checkpointer
+    from muonrun.checkpoint.export import export_hf
     from muonrun.config import load_config, to_yaml
     from muonrun.distributed import destroy
     from muonrun.model.build import count_params
-    from muonrun.tools.export import export_hf
     from muonrun.train.trainer import Trainer
 
     if args.writer_threads:

@@ -248,7 +248,7 @@ def export(
 ) -> None:
     """Write a Hugging Face folder (safetensors, config.json, tokenizer) from a muonrun checkpoint; a LoRA
     run's adapters merged into its base model, or with --adapter-only the adapter alone."""
-    from muonrun.tools.export import export_hf
+    from muonrun.checkpoint.export import export_hf
 
     out = export_hf(checkpoint, out_dir, dtype, adapter_only=adapter_only)
     if adapter_only:

@@ -367,9 +367,9 @@ def test_a_checkpoint_records_its_architecture_resume_refuses_another_and_export
     may reach further positions; export rebuilds the trained architecture and says which keys differ."""
     from dataclasses import replace
 
+    from muonrun.checkpoint.export import as_trained, read_run_config
     from muonrun.checkpoint.resume import check_architecture
     from muonrun.model.build import architecture_of, build_hf_config
-    from muonrun.tools.export import as_trained, read_run_config
 
     step = adamw_ref / "checkpoints" / f"step-{STEPS}"
     model = read_run_config(step).model
@@ -395,8 +395,8 @@ def test_a_checkpoint_records_its_architecture_resume_refuses_another_and_export
 def test_export_round_trip_matches_logits(adamw_ref, tmp_path, reseal):
     from transformers import AutoModelForCausalLM
 
+    from muonrun.checkpoint.export import read_run_config
     from muonrun.model.build import build_hf_config
-    from muonrun.tools.export import read_run_config
 
     step = adamw_ref / "checkpoints" / f"step-{STEPS}"
     hf = tmp_path / "hf"

@@ -128,7 +128,7 @@ def test_pruning_never_takes_the_last_intact_checkpoint(ref, tmp_path):
 def test_an_export_says_when_its_checkpoint_was_pruned_or_the_disk_ran_out(ref, tmp_path, monkeypatch):
     """A training in the run folder pruned the checkpoint export was reading (during its verification, or
     while it read the tensors): said as such, not "damaged". Out of room: one paragraph, nothing left."""
-    from muonrun.tools import export
+    from muonrun.checkpoint import export
 
     def pruning(real):
         def first_pruned(checkpoint, *args, **kwargs):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from helpers import ok, pretrain
 
-from muonrun.tools.export import current_umask, export_hf
+from muonrun.checkpoint.export import current_umask, export_hf
 
 
 def modes(folder: Path) -> dict[str, int]:

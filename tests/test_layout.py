@@ -71,6 +71,28 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
+def test_no_module_imports_from_a_floor_above_it():
+    """The trainer and the parts it wires (train/, model/, checkpoint/, data/, optim/, observe/) never
+    import the command-line tools (tools/) or the CLI, which sit above them."""
+    graph = import_graph(type_checking=True)
+    lower = (
+        "muonrun.train",
+        "muonrun.model",
+        "muonrun.checkpoint",
+        "muonrun.data",
+        "muonrun.optim",
+        "muonrun.observe",
+    )
+    climbs = {
+        (m, t)
+        for m, targets in graph.items()
+        if m.startswith(lower)
+        for t in targets
+        if t.startswith("muonrun.tools") or t == "muonrun.cli"
+    }
+    assert graph["muonrun.train.trainer"] and not climbs, climbs
+
+
 def test_the_optimizers_stand_alone():
     """`from muonrun.optim import Muon` pulls in neither the config nor the trainer."""
     graph = import_graph()

@@ -365,7 +365,7 @@ def test_export_writes_the_hub_layout_of_experts_that_transformers_loads_back(tm
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from muonrun.tools.export import hub_layout
+    from muonrun.checkpoint.export import hub_layout
 
     m = ModelConfig(architecture="qwen2_moe", hf=dict(MOE))
     hf = build_hf_config(m)

@@ -5,7 +5,7 @@ shows them).
     muonrun eval runs/tiny                               # the run's own eval.tasks, latest checkpoint
     muonrun eval runs/tiny/checkpoints/step-150 --tasks hellaswag,arc_easy --limit 500
 
-A checkpoint is exported to a temporary folder first (muonrun/tools/export.py). A task named in the
+A checkpoint is exported to a temporary folder first (muonrun/checkpoint/export.py). A task named in the
 run's `eval.tasks` is written as the harness's own task YAML pointing at the task's file (or Hub
 dataset), so the harness scores exactly the examples the training loop scored; any other name is one
 of the harness's tasks (which read the Hub unless its datasets are cached). A byte-level run is
@@ -58,7 +58,7 @@ def resolve_target(path: str) -> Target:
         saved = given.parent / "config.yaml"
         config = from_yaml(saved.read_text(), source=f"file '{saved}'") if saved.is_file() else None
         return Target(None, given, given.parent, config)
-    from muonrun.tools.export import read_run_config
+    from muonrun.checkpoint.export import read_run_config
 
     checkpoint = resolve_checkpoint(given)  # a UserError naming the path when it holds none
     meta = read_meta(checkpoint)
@@ -175,7 +175,7 @@ def run_eval(
     task to the run folder's harness.jsonl; return the rows and that file."""
     import torch
 
-    from muonrun.tools.export import export_hf
+    from muonrun.checkpoint.export import export_hf
 
     if limit is not None and limit < 1:
         raise UserError(f"--limit is {limit}; give a number of examples, at least 1.")

@@ -1,6 +1,6 @@
 """Hugging Face weights in: `model.init=pretrained` reads a model's safetensors straight into the FSDP2
 shards; a base model's fingerprint (what a LoRA checkpoint records). The way out is
-muonrun/tools/export.py.
+muonrun/checkpoint/export.py.
 
     muonrun pretrain qwen2-adamw-fsdp2 model.init=pretrained model.name_or_path=Qwen/Qwen2.5-0.5B
 """

@@ -16,6 +16,7 @@ import torch
 
 from muonrun import faults
 from muonrun.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState, write_run_config
+from muonrun.checkpoint.export import export_replacing
 from muonrun.config import Config, to_yaml
 from muonrun.data import build_loader, build_tokenizer
 from muonrun.distributed import Dist, all_reduce_mean, init_distributed, pick_device_type
@@ -31,7 +32,6 @@ from muonrun.model.parallelize import parallelize
 from muonrun.observe.metrics import LossWindow, Metrics, optimizer_telemetry
 from muonrun.observe.profiling import StepProfiler, phase
 from muonrun.optim.build import build_optimizers
-from muonrun.tools.export import export_replacing
 from muonrun.train.agreement import Agreed, StepAgreement, non_finite_message
 from muonrun.train.clip import clip_grad_norm
 from muonrun.train.ramp import accum_steps, lr_scale
