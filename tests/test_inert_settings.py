@@ -35,6 +35,11 @@ ON_CPU = {
     ),
     "launch.nproc_per_node": ("works", ["launch.nproc_per_node=2"], "CPU workers"),
     "launch.backend": ("refused", ["launch.backend=nccl"], "nccl connects GPUs only"),
+    "launch.collective_timeout_s": (
+        "works",
+        ["launch.collective_timeout_s=600"],
+        "gloo's collectives time out too",
+    ),
 }
 
 

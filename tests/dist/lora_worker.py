@@ -81,7 +81,7 @@ BATCHES = [torch.randint(0, 257, (6, 17), generator=torch.Generator().manual_see
 def step(trainer, i: int) -> float:
     """One optimizer step on this rank's 2 of the 6 rows of batch i; returns the global mean loss."""
     rows = BATCHES[i][2 * dist.get_rank() : 2 * dist.get_rank() + 2]
-    trainer.set_lr()
+    trainer.set_lr(trainer.cfg.train.grad_accum_steps)
     loss = trainer.model(rows[:, :-1], rows[:, 1:])
     loss.backward()
     for opt in trainer.optimizers:

@@ -148,7 +148,7 @@ def check_one_step(trainer: Trainer, rank: int) -> None:
         after_step()
 
     qk_clip(trainer).after_step = spy
-    trainer.train_step()
+    trainer.train_step(trainer.cfg.train.grad_accum_steps)
     qk_clip(trainer).after_step = after_step
     del trainer.next_batch
     torch.testing.assert_close(seen["measured"], measured_ref, rtol=1e-6, atol=0)
