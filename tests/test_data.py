@@ -539,6 +539,25 @@ def test_cache_is_reused_and_follows_file_changes(corpus, monkeypatch):
     assert len(entries(root)) == 2
 
 
+def test_a_killed_builders_temporary_folder_is_removed_by_the_next_build(corpus):
+    """A builder killed mid-tokenization (SIGKILL, the OOM killer) leaves `.tmp-<entry>-<pid>-*`; the next
+    build of that entry, holding its lock, removes it. Other entries' folders are left alone."""
+    _, path = corpus
+    cfg = make_cfg([path])
+    root = cache_mod.cache_root(cfg.data)
+    tok = build_tokenizer("byte")
+    src = cfg.data.sources[0]
+    files = cache_mod.resolve_files(src, "data.sources.0")
+    final = cache_mod.entry_dir(root, src, cache_mod.cache_key(src, tok, files))
+    root.mkdir(parents=True, exist_ok=True)
+    stale, other = root / f".tmp-{final.name}-99999-deadbeef", root / ".tmp-another-entry-99999-deadbeef"
+    for folder in (stale, other):
+        folder.mkdir()
+        (folder / "tokens.bin").write_bytes(b"half")
+    entry = ensure_cached(src, "data.sources.0", tok, cfg.data)
+    assert entry.path == final and not stale.exists() and other.exists()
+
+
 def _build_in_child(cfg, queue):
     entry = ensure_cached(cfg.data.sources[0], "data.sources.0", build_tokenizer("byte"), cfg.data)
     queue.put(str(entry.path))

@@ -110,19 +110,21 @@ def _file_lock(path: Path):
 
         fh = open(path, "a+")  # noqa: SIM115 (held for the duration of the context)
     except (ImportError, OSError):
-        yield  # no locking here: the atomic rename alone keeps it correct
+        yield False  # no locking here: the atomic rename alone keeps it correct
         return
     try:
+        locked = False
         while True:  # waits for the rank building the entry, but stops on a stop request
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
                 break
             except BlockingIOError:
                 check_stop()
                 time.sleep(0.2)
             except OSError:
                 break  # no locking on this filesystem
-        yield
+        yield locked
     finally:
         fh.close()
 
@@ -294,9 +296,12 @@ def ensure_cached(src, key: str, tok, data_cfg, report: bool = True) -> TokenCac
     if (final / "meta.json").is_file():
         return check_entry(TokenCache(final), src, key, data_cfg, report)
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{final.name}.lock"):
+    with _file_lock(root / f".{final.name}.lock") as locked:
         if (final / "meta.json").is_file():  # another process built it while we waited
             return check_entry(TokenCache(final), src, key, data_cfg, report)
+        if locked:  # no one else builds this entry: a temporary folder left is a killed builder's
+            for stale in root.glob(f".tmp-{final.name}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:

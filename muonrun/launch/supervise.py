@@ -9,7 +9,9 @@ signals, reports, and the restart message. Public API only: torch's agent is sta
   process's children (`multiprocessing.active_children()`), since the agent runs in this process.
 - A worker that reports a user mistake or a non-finite step (muonrun/launch/worker.py) sends SIGUSR2:
   the handler stops every worker and raises `WorkersReported` out of the agent, which shuts down
-  without restarting them.
+  without restarting them. A report of an early stop (a stop request during data preparation) first
+  gives the other workers, which got the same request, a few seconds to report too: the one that
+  tokenizes removes its half-built cache folder before it does.
 - Restarts (`--max-restarts`): a thread per worker waits for it to exit, without reaping it
   (`os.waitid(..., WNOWAIT)`; the agent reaps its own children); one that exits with an error is
   announced: which rank failed, how, and which checkpoint the restart resumes from. The agent's own log says it at INFO level only,
@@ -88,6 +90,20 @@ def _signal_name(number: int) -> str:
 # How long a worker that exited with an error waits before it is named as the failure: a peer killed by a
 # signal at the same moment is the likelier cause, and its waiter speaks first in that time.
 PEER_GRACE_S = 0.5
+# How long an early stop's report waits for the other workers to report or exit before they are killed:
+# they got the same stop request and stop within a batch of their work (checkpoint/stop.py: check_stop).
+EARLY_STOP_GRACE_S = 20.0
+
+
+def _exists(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie too: its exit is in `Supervisor._seen` then)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Supervisor:
@@ -214,8 +230,29 @@ class Supervisor:
         if not any((self.control / "reports").glob(REPORTS)):  # a worker writes its report first
             log.warning("got SIGUSR2 from outside the job (its workers use it to report a failure): ignored.")
             return
+        if self._early_stop_reported():
+            self._wait_for_reports(EARLY_STOP_GRACE_S)
         self._stop_now()
         raise WorkersReported
+
+    def _reports(self) -> list[Path]:
+        return sorted((self.control / "reports").glob(REPORTS))
+
+    def _early_stop_reported(self) -> bool:
+        from muonrun.launch.worker import STOPPED_EXIT
+
+        return all(p.name.startswith(f"exit{STOPPED_EXIT}-") for p in self._reports())
+
+    def _wait_for_reports(self, timeout_s: float) -> None:
+        """Until every registered worker has reported or exited, `timeout_s` at most."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reported = {p.stem.rpartition("-pid")[2] for p in self._reports()}
+            if all(
+                str(pid) in reported or pid in self._seen or not _exists(pid) for pid in self._registered()
+            ):
+                return
+            time.sleep(0.1)
 
     def _stop_now(self) -> None:
         self.stopping = True

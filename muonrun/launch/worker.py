@@ -42,7 +42,7 @@ STOPPED_EXIT = 0  # stopped on request before training (data preparation): nothi
 STALLED_EXIT = 1  # a collective timed out: a rank stalled (launch/stall.py)
 CONTROL_ENV = "MUONRUN_CONTROL_DIR"  # the launcher's control folder on this node
 REPORTED = signal.SIGUSR2  # a worker's "I reported; stop us all" to its launcher
-REPORTS = "exit*-rank*.txt"  # a report's name: the exit code it calls for and the reporting rank
+REPORTS = "exit*-rank*.txt"  # a report's name: the exit code it calls for, the reporting rank and pid
 REPORT_GRACE_S = 60.0  # how long a reporting worker waits for its launcher to stop it
 
 
@@ -159,7 +159,7 @@ def report(code: int, message: str) -> None:
     if control is not None and launcher is not None:
         with contextlib.suppress(OSError):
             (control / "reports").mkdir(parents=True, exist_ok=True)
-            (control / "reports" / f"exit{code}-rank{rank}.txt").write_text(message)
+            (control / "reports" / f"exit{code}-rank{rank}-pid{os.getpid()}.txt").write_text(message)
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(launcher), REPORTED)
             _flush()
