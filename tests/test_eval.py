@@ -215,26 +215,27 @@ def make_tasks(folder: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, list[str]]:
+def trained(tmp_path_factory) -> tuple[Path, list[str], str]:
+    """The tiny preset on two workers, its eval loss and two tasks scored at steps 25 and 50."""
     folder = tmp_path_factory.mktemp("evals")
     tasks = make_tasks(folder)
     out = folder / "run"
-    ok(
+    text = ok(
         muonrun(
             "pretrain",
             "tiny",
             f"output_dir={out}",
-            "train.max_steps=90",
-            "train.eval_interval=45",
+            "train.max_steps=50",
+            "train.eval_interval=25",
             "checkpoint.interval=0",
-            "logging.log_interval=15",
+            "logging.log_interval=5",
             "logging.console=plain",
             f"eval.tasks=[{','.join(tasks)}]",
             "--nproc-per-node",
             "2",
         )
     )
-    return out, tasks
+    return out, tasks, text
 
 
 def eval_rows(run: Path) -> list[dict]:
@@ -243,11 +244,21 @@ def eval_rows(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_trained_model_scores_far_above_its_untrained_weights(trained):
+def test_two_workers_learn_and_score_far_above_the_untrained_weights(trained):
+    """The run learns (its loss and eval loss fall), saves at the end, counts its tokens, and its last
+    eval scores the reversed-ending task far above the untrained weights, which score it at chance."""
     from muonrun.model.build import build_hf_config, build_model, init_weights
     from muonrun.model.causal_lm import CausalLMWithLoss
 
-    run, tasks = trained
+    run, tasks, text = trained
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == list(range(5, 51, 5))
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0, [r["loss"] for r in train]  # clearly learning
+    assert train[-1]["tokens_seen"] == 50 * 2 * 8 * 256  # steps x workers x micro-batch x seq_len
+    saved = (run / "config.yaml").read_text()
+    assert "max_steps: 50" in saved and "nproc_per_node: 2" in saved and "step     50/50" in text
+    assert (run / "checkpoints" / "step-50" / ".metadata").is_file()  # saved at the end
     cfg = config(*tasks)
     tok = build_tokenizer("byte")
     hf = build_hf_config(cfg.model, tok.vocab_size)
@@ -256,13 +267,13 @@ def test_a_trained_model_scores_far_above_its_untrained_weights(trained):
     init_weights(model, hf.initializer_range, cfg.train.seed, torch.device("cpu"))  # the run's step 0
     untrained = task_set(cfg, tok).score(model.eval(), torch.device("cpu"))
     evals = eval_rows(run)
-    assert [r["step"] for r in evals] == [45, 90]
+    assert [r["step"] for r in evals] == [25, 50] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
     final = evals[-1]
     # the reversed ending shares every character and run of them with the right one: chance, untrained
     assert 0.35 <= untrained["eval_acc_ending"] <= 0.65, untrained
     assert final["eval_acc_ending"] >= untrained["eval_acc_ending"] + 0.3, (untrained, evals)
     assert final["eval_acc_mean"] == (final["eval_acc_ending"] + final["eval_acc_last"]) / 2
-    assert "eval_loss" in final and final["tokens_seen"] == 90 * 2 * 8 * 256
+    assert final["tokens_seen"] == 50 * 2 * 8 * 256
 
 
 @pytest.mark.slow
@@ -272,14 +283,14 @@ def test_a_trained_model_scores_far_above_its_untrained_weights(trained):
 def test_muonrun_eval_on_the_checkpoint_gives_the_loops_accuracies_and_compare_shows_them(trained, tmp_path):
     from muonrun.tools.compare import compare
 
-    run, _ = trained
+    run, _, _ = trained
     text = ok(muonrun("eval", str(run)))
     assert "harness.jsonl" in " ".join(text.split())
     harness = {r["task"]: r for r in map(json.loads, (run / "harness.jsonl").read_text().splitlines())}
     final = eval_rows(run)[-1]
     for task, examples in (("ending", 100), ("last", 60)):
         row = harness[task]
-        assert row["step"] == 90 and row["examples"] == examples and row["num_fewshot"] == 0
+        assert row["step"] == 50 and row["examples"] == examples and row["num_fewshot"] == 0
         assert row["acc"] == final[f"eval_acc_{task}"], (row, final)
         assert row["acc_norm"] == final[f"eval_acc_norm_{task}"], (row, final)
     # the run's own export: its tasks come from the run's config; its rows from the export carry no step
@@ -290,7 +301,7 @@ def test_muonrun_eval_on_the_checkpoint_gives_the_loops_accuracies_and_compare_s
     rows = compare([run], tmp_path / "c.png")
     table = (tmp_path / "c.md").read_text()
     assert (
-        rows[0]["downstream:ending acc, lm-evaluation-harness"] == f"{harness['ending']['acc']:.3f} (step 90)"
+        rows[0]["downstream:ending acc, lm-evaluation-harness"] == f"{harness['ending']['acc']:.3f} (step 50)"
     )
     assert f"| ending acc at {final['tokens_seen']:,} tokens | {final['eval_acc_ending']:.3f} |" in table
     assert (tmp_path / "c.png").stat().st_size > 0

@@ -9,7 +9,7 @@ split with torch's `parallelize_module` over the "tp" axis and FSDP2's `fully_sh
 as muonrun's trainer does, on three meshes: tp 2 x dp 2, tp 4, and tp 2 with HSDP (2 replicas x 1
 shard x tp 2). An unsharded copy is stepped by torch.optim.Muon (NorMuon: ``NorMuonReference``,
 written from the paper), and each rank compares its own part, without communication, within the
-bound the FSDP equivalence uses. Each matrix is orthogonalised once per job (``stats``), gradient
+bound the FSDP equivalence uses; muonrun's AdamW is compared with torch's the same way. Each matrix is orthogonalised once per job (``stats``), gradient
 clipping equals torch's on the full gradients, and telemetry equals the reference's. Global rank 0
 prints ``TP_WORKER_OK`` at the end.
 """
@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from muonrun.compat import local_shape_and_offset
 from muonrun.distributed import destroy, dp_mesh, release_process_groups, tp_mesh
-from muonrun.optim import Muon
+from muonrun.optim import AdamW, Muon
 from muonrun.train.clip import clip_grad_norm
 from tests.dist.muon_worker import LR, RTOL, NorMuonReference, reference_ns
 
@@ -119,6 +119,23 @@ def check(tag: str, shape, variant: str, nesterov: bool, wd: float, fn) -> None:
     torch.testing.assert_close(opt.telemetry["momentum_norm"], momentum, rtol=1e-4, atol=0)
 
 
+def check_adamw(tag: str, shape) -> None:
+    """muonrun's AdamW steps each rank's part of a tensor-parallel matrix as torch's steps the whole."""
+    model, full = build(shape)
+    params = list(model.parameters())
+    ref = [f.clone() for f in full]
+    opt, ref_opt = AdamW(params, lr=LR, weight_decay=0.1), torch.optim.AdamW(ref, lr=LR, weight_decay=0.1)
+    for step in range(3):
+        g = grads(step)
+        set_grads(params, g)
+        for r, gi in zip(ref, g, strict=True):
+            r.grad = gi.clone()
+        opt.step()
+        ref_opt.step()
+    for i, (p, q) in enumerate(zip(params, ref, strict=True)):
+        torch.testing.assert_close(p._local_tensor, part(q, p), rtol=1e-5, atol=1e-7, msg=f"{tag}: matrix {i}")
+
+
 def check_clip(tag: str, shape) -> None:
     model, full = build(shape)
     params = list(model.parameters())
@@ -144,9 +161,10 @@ def main() -> None:
         ]
         for variant, nesterov, wd, fn in combos:
             check(tag, shape, variant, nesterov, wd, fn)
+        check_adamw(tag, shape)
         check_clip(tag, shape)
         if dist.get_rank() == 0:
-            print(f"{tag}: {len(combos)} combinations and clip OK", flush=True)
+            print(f"{tag}: {len(combos)} combinations, AdamW and clip OK", flush=True)
     if dist.get_rank() == 0:
         print("TP_WORKER_OK", flush=True)
     destroy()
