@@ -170,8 +170,8 @@ def test_stop_flag_only_records_the_signal_and_the_process_in_charge_says_a_save
 @pytest.fixture(scope="module")
 def adamw_ref(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("adamw") / "run"
-    ok(pretrain(out, "checkpoint.interval=0"))
-    assert steps_of(out) == [STEPS]
+    ok(pretrain(out, "checkpoint.interval=4"))
+    assert steps_of(out) == [4, STEPS]
     # each of the 2 ranks wrote its share with WRITER_THREADS threads, one file each (every test below
     # resumes, reshards or exports from such checkpoints)
     files = sorted(p.name for p in (out / "checkpoints" / f"step-{STEPS}").glob("*.distcp"))
@@ -228,13 +228,11 @@ the new value, which fp32 rounds away or nearly."""
 
 @pytest.mark.slow
 def test_a_save_out_of_room_is_one_paragraph_and_the_last_checkpoint_resumes_exactly(adamw_ref, tmp_path):
-    """A file-size limit (as a full disk or quota would) stops the step-8 save: one paragraph naming the
-    folder, the limit and what the save needed, the half-written step-8.tmp removed, the earlier
-    checkpoint kept; with room again the run resumes from it exactly."""
+    """A file-size limit (as a full disk or quota would) stops the step-8 save of a run resumed from
+    step 4: one paragraph naming the folder, the limit and what the save needed, the half-written
+    step-8.tmp removed, the earlier checkpoint kept; with room again the run resumes from it exactly."""
     out, ckpt = tmp_path / "run", "checkpoint.interval=4"
-    stopped = ok(pretrain(out, ckpt, fault="term@4"))  # a preemption: saved at step 5 or 6
-    first = max(losses(out))
-    assert f"Stopped by signal after step {first}" in stopped and steps_of(out) == [4, first]
+    shutil.copytree(adamw_ref / "checkpoints" / "step-4", out / "checkpoints" / "step-4")
     limited = subprocess.run(
         [sys.executable, "-m", "muonrun", *pretrain_args(out, ckpt)],
         capture_output=True, text=True, env=cli_env(), timeout=400,
@@ -248,14 +246,12 @@ def test_a_save_out_of_room_is_one_paragraph_and_the_last_checkpoint_resumes_exa
     )
     assert "outgrew the file-size limit. Its largest file needs about" in text
     assert "the file-size limit (ulimit -f) is 1.0 MiB" in text
-    assert (
-        f"The half-written step-{STEPS}.tmp was removed; step-{first}, the latest checkpoint, is kept" in text
-    )
+    assert f"The half-written step-{STEPS}.tmp was removed; step-4, the latest checkpoint, is kept" in text
     assert text.count("Saving checkpoint") == 1 and "Traceback" not in limited.stdout + limited.stderr
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{s}" for s in (4, first)]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4"]
     ok(pretrain(out, ckpt))
-    assert steps_of(out) == [first, STEPS]
-    assert_same_losses(out, adamw_ref, first=first + 1)
+    assert steps_of(out) == [4, STEPS]
+    assert_same_losses(out, adamw_ref, first=5)
 
 
 @pytest.mark.slow
@@ -320,7 +316,7 @@ def test_resharded_resume_two_to_three_workers(normuon_ref, tmp_path):
 def test_nan_stops_before_the_update_and_keeps_the_checkpoint(adamw_ref, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(adamw_ref, out)
-    before = tree(out / "checkpoints")
+    before = {k: v for k, v in tree(out / "checkpoints").items() if k.startswith("step-8")}
     # NaN on rank 1 only, the step after an async save (step 9's, possibly still being written when
     # step 10's NaN is agreed: it is of a finite step, so it is published, not left as .tmp). Not
     # restarted: a restart would resume exactly and meet it again (the fault fires in the first

@@ -1,10 +1,9 @@
 """Multi-node on one machine: two "nodes" (two launchers) meeting over loopback through torchrun's c10d
 rendezvous, CPU workers on gloo.
 
-- 2 nodes x 2 workers, HSDP with Muon (parallel.dp_replicate=-1: one replica per node, so a
-  2 x 2 mesh), started with the CLI flags;
-- 2 nodes x 1 worker through scripts/multinode.sh, one node's worker killed: --max-restarts brings
-  both nodes back from the latest checkpoint;
+- 2 nodes x 2 workers through scripts/multinode.sh, HSDP with Muon (parallel.dp_replicate=-1: one
+  replica per node, so a 2 x 2 mesh), one node's worker killed: --max-restarts brings both nodes back
+  from the latest checkpoint;
 - scripts/slurm/pretrain.sbatch under a fake `srun`/`scontrol` (the fake srun starts its command once
   per "node" with SLURM_NODEID set, as srun does in a 2-node allocation): muonrun reads SLURM's
   variables, SIGUSR1 before the time limit saves a checkpoint and requeues, the requeued job resumes.
@@ -73,53 +72,36 @@ def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows(run) if "loss" in r]
 
 
-def test_two_nodes_hsdp_muon_train_one_run(tmp_path):
-    run = tmp_path / "run"
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "muonrun", "pretrain", "tiny", f"output_dir={run}", *FAST,
-        "optimizer.name=muon", "parallel.dp_replicate=-1", "train.max_steps=8", "logging.log_interval=2",
-        "checkpoint.interval=0", "--nnodes", "2", "--nproc-per-node", "2",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hsdp-test",
-    ]  # fmt: skip
-    logs = [tmp_path / f"node{i}.log" for i in (0, 1)]
-    procs = [start([*cmd, "--node-rank", str(i)], logs[i], base_env()) for i in (0, 1)]
-    node0, node1 = finish(procs, logs)
-
-    start_row = rows(run)[0]
-    assert start_row["world_size"] == 4 and start_row["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
-    steps = losses(run)
-    # One run: each step logged once, by global rank 0 only (4 ranks, 2 launchers, one metrics.jsonl).
-    assert [s for s, _ in steps] == [2, 4, 6, 8]
-    assert steps[-1][1] < steps[0][1] - 1.0, steps
-    assert rows(run)[-1]["tokens_seen"] == 8 * 4 * 4 * 128  # steps x ranks x micro-batch x seq_len
-    assert (run / "checkpoints" / "step-8" / ".metadata").is_file()
-    assert "node 0 of 2" in node0 and "(hosted here)" in node0 and "node 1 of 2" in node1
-    assert [("step      8/8" in t) for t in (node0, node1)].count(True) == 1  # only rank 0 prints
-
-
 @pytest.mark.skipif(MUONRUN_BIN is None, reason="the muonrun console script is not installed")
-def test_lost_node_restarts_both_nodes_from_the_latest_checkpoint(tmp_path):
+def test_two_nodes_hsdp_muon_train_one_run_and_a_lost_node_restarts_both_from_the_latest_checkpoint(tmp_path):
+    """2 nodes x 2 workers through scripts/multinode.sh, HSDP with Muon (one replica per node): one run,
+    each step logged once by global rank 0; node 1's second worker dies after step 5 and --max-restarts
+    brings both nodes back from step-3."""
     run = tmp_path / "run"
     port = free_port()
     args = [
-        "tiny", f"output_dir={run}", *FAST, "train.max_steps=8", "logging.log_interval=1",
-        "checkpoint.interval=3",
+        "tiny", f"output_dir={run}", *FAST, "optimizer.name=muon", "parallel.dp_replicate=-1",
+        "train.max_steps=8", "logging.log_interval=1", "checkpoint.interval=3",
     ]  # fmt: skip
     script = str(REPO / "scripts" / "multinode.sh")
     logs = [tmp_path / f"node{i}.log" for i in (0, 1)]
-    env = dict(HEAD="127.0.0.1", NNODES="2", PORT=str(port), RDZV_ID="restart-test", NPROC_PER_NODE="1")
-    env |= dict(MAX_RESTARTS="1", MUONRUN=MUONRUN_BIN, MUONRUN_FAULT="kill@5:r1")  # rank 1 dies after step 5
+    env = dict(HEAD="127.0.0.1", NNODES="2", PORT=str(port), RDZV_ID="restart-test", NPROC_PER_NODE="2")
+    env |= dict(MAX_RESTARTS="1", MUONRUN=MUONRUN_BIN, MUONRUN_FAULT="kill@5:r3")  # node 1's rank 3 dies
     procs = [start(["bash", script, *args], logs[i], base_env(NODE_RANK=str(i), **env)) for i in (0, 1)]
-    text = "\n".join(finish(procs, logs))
+    node0, node1 = finish(procs, logs)
+    text = node0 + node1
 
     starts = [r for r in rows(run) if r.get("event") == "start"]
     assert [r["step"] for r in starts] == [0, 3], starts  # the restart resumed from step-3
+    assert all(r["world_size"] == 4 and r["mesh"] == {"dp_replicate": 2, "dp_shard": 2} for r in starts)
     assert "resumed from" in text and "step-3" in text
-    steps = [s for s, _ in losses(run)]
+    steps = [s for s, _ in losses(run)]  # one run: each step once per attempt, 4 ranks, one metrics.jsonl
     assert steps[:3] == [1, 2, 3] and steps[-5:] == [4, 5, 6, 7, 8] and steps.count(4) == 2, steps
     assert losses(run)[-1][1] < losses(run)[0][1] - 0.5
+    assert rows(run)[-1]["tokens_seen"] == 8 * 4 * 4 * 128  # steps x ranks x micro-batch x seq_len
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-6", "step-8"]
+    assert "node 0 of 2" in node0 and "(hosted here)" in node0 and "node 1 of 2" in node1
+    assert ("step      8/8" in node0) and ("step      8/8" not in node1)  # only global rank 0 prints
 
 
 FAKE_SRUN = r"""#!/bin/bash
