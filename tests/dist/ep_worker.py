@@ -10,7 +10,8 @@ rank's experts, so the other ep rank receives none) and checks, on its own token
 the gradients of its inputs and routing weights equal the unsplit module's, and that the experts'
 gradients, once FSDP2 has reduced them, equal the mean over the 4 ranks of the unsplit module's. Then
 Muon steps the split experts and torch.optim.Muon each expert matrix of the unsplit copy (with those
-mean gradients): the same matrices, within the bf16 bound of the FSDP equivalence. Global rank 0
+mean gradients): the same matrices, within the bf16 bound of the FSDP equivalence; muonrun's AdamW
+steps each rank's rows as torch's AdamW steps the unsplit copy. Global rank 0
 prints ``EP_WORKER_OK``.
 """
 
@@ -29,7 +30,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 from muonrun.compat import local_shape_and_offset
 from muonrun.distributed import destroy, release_process_groups
 from muonrun.model.expert_parallel import apply_expert_parallel
-from muonrun.optim import Muon
+from muonrun.optim import AdamW, Muon
 from muonrun.optim.groups import ExpertLayout
 from tests.dist.muon_worker import LR, RTOL
 
@@ -102,12 +103,26 @@ def check(skew: bool) -> None:
         (rows, *_), (r0, *_) = local_shape_and_offset(p)
         torch.testing.assert_close(p.grad._local_tensor, full[r0 : r0 + rows], rtol=1e-5, atol=1e-6)
         q.grad = full
+    # AdamW on the split experts against torch's on the unsplit copy (elementwise: each rank its rows);
+    # the split experts are put back as they were for Muon
+    named = dict(holder.experts.named_parameters())
+    saved = {n: p._local_tensor.detach().clone() for n, p in named.items()}
+    AdamW(list(named.values()), lr=LR, weight_decay=0.1).step()
+    ref_adamw = {n: q.detach().clone().requires_grad_() for n, q in reference.named_parameters()}
+    for n, q in reference.named_parameters():
+        ref_adamw[n].grad = q.grad.clone()
+    torch.optim.AdamW(list(ref_adamw.values()), lr=LR, weight_decay=0.1).step()
+    for n, p in named.items():
+        (rows, *_), (r0, *_) = local_shape_and_offset(p)
+        want = ref_adamw[n].detach()[r0 : r0 + rows]
+        torch.testing.assert_close(p._local_tensor, want, rtol=1e-5, atol=1e-7, msg=f"AdamW {n}")
+        with torch.no_grad():
+            p._local_tensor.copy_(saved[n])
     # Muon on the split experts against torch.optim.Muon on each expert matrix of the unsplit copy
     layouts = {
         "gate_up_proj": ExpertLayout(2).group_keys(),
         "down_proj": ExpertLayout(1).group_keys(),
     }
-    named = dict(holder.experts.named_parameters())
     opt = Muon(
         [{"params": [named[n]], **keys} for n, keys in layouts.items()], lr=LR, ns_dtype=torch.bfloat16
     )
@@ -137,7 +152,7 @@ def main() -> None:
         check(skew)
         if dist.get_rank() == 0:
             what = "every token to one ep rank's experts" if skew else "uneven splits"
-            print(f"ep 2 x efsdp 2, {what}: dispatch, gradients and Muon OK", flush=True)
+            print(f"ep 2 x efsdp 2, {what}: dispatch, gradients, AdamW and Muon OK", flush=True)
     if dist.get_rank() == 0:
         print("EP_WORKER_OK", flush=True)
     destroy()
