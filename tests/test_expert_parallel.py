@@ -1,6 +1,6 @@
-"""Expert parallelism (`parallel.ep`): the dispatch and Muon exact on expert-parallel experts, `tiny-moe`
-training the same at ep 1 and 2, checkpoints across ep, export, and the mistakes refused before any
-worker starts."""
+"""Expert parallelism (`parallel.ep`) and the mixture of experts end to end: the dispatch, AdamW and Muon
+exact on expert-parallel experts, `tiny-moe` training the same at ep 1 and 2, checkpoints resumed exactly
+and across ep, the export, and the mistakes refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def rows(run: Path) -> dict[int, dict]:
     }
 
 
-def moe_run(out: Path, *overrides: str):
+def moe_run(out: Path, *overrides: str) -> str:
     args = pretrain_args(out, "checkpoint.interval=4", "checkpoint.keep_last=4", *overrides, nproc=2)
     args[1] = "tiny-moe"
     return ok(muonrun(*args))
@@ -60,32 +60,48 @@ def same_training(a: Path, b: Path, steps) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_moe_trains_the_same_at_ep_1_and_2_and_resumes_across_ep(tmp_path):
-    """Two ranks, 6 experts, Muon: at ep 1 (each rank holds a shard of every expert) and ep 2 (each holds
-    3 whole experts), the same losses, aux losses, expert loads and gradient norms; the expert-parallel
-    run logs the tokens each rank's experts received. Its step-4 checkpoint resumes bit for bit at ep 2
-    and through DCP's resharding at ep 1; its export loads in transformers with every expert. (ep 2 x
-    FSDP 2 on four ranks, and AdamW: the dispatch test above.)"""
+def test_tiny_moe_trains_the_same_at_ep_1_and_2_resumes_exactly_across_ep_and_exports(tmp_path):
+    """Two ranks, 6 experts, Muon, the aux-loss-free router bias on: at ep 1 (each rank holds a shard of
+    every expert) and ep 2 (each holds 3 whole experts), the same losses, aux losses, expert loads and
+    gradient norms, the routing statistics logged; the ep 2 run logs the tokens each rank's experts
+    received. Each run's step-4 checkpoint resumes bit for bit on its own layout, router biases included;
+    ep 2's resumes at ep 1 through DCP's resharding, training on as ep 2 does. The ep 1 run's export,
+    its router biases in a file apart, loads in transformers alone and generates. (ep 2 x FSDP 2 on four ranks, and AdamW:
+    the dispatch test above; ep 4 and AdamW end to end: tests/test_layouts.py.)"""
+    from muonrun.checkpoint.safe import load_model_tensors
+    from muonrun.features.router_bias import BIAS
+
+    bias = "train.router_bias_update_rate=0.01"
+    moe_run(tmp_path / "ep1", "parallel.ep=1", bias, "checkpoint.export_at_end=true")
+    moe_run(tmp_path / "ep2", "parallel.ep=2", bias)
+    same_training(tmp_path / "ep1", tmp_path / "ep2", range(1, STEPS + 1))
+    last = rows(tmp_path / "ep2")[STEPS]
+    assert last["ep_tokens_received"] > 0 and "ep_tokens_received" not in rows(tmp_path / "ep1")[STEPS]
+    for key in ("aux_loss", "expert_load_max_mean", "router_entropy", "expert_load_max_mean_3"):
+        assert all(isinstance(r[key], float) for r in rows(tmp_path / "ep2").values()), (key, last)
     for ep in (1, 2):
-        moe_run(tmp_path / f"muon-ep{ep}", f"parallel.ep={ep}")
-    same_training(tmp_path / "muon-ep1", tmp_path / "muon-ep2", range(1, STEPS + 1))
-    assert rows(tmp_path / "muon-ep2")[STEPS]["ep_tokens_received"] > 0
-    assert "ep_tokens_received" not in rows(tmp_path / "muon-ep1")[STEPS]
-    saved = tmp_path / "muon-ep2"
-    for ep in (2, 1):
-        run = tmp_path / f"resume-ep{ep}"
+        saved, run = tmp_path / f"ep{ep}", tmp_path / f"resume-ep{ep}"
         shutil.copytree(saved / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
-        assert "resumed from" in moe_run(run, f"parallel.ep={ep}")
-        if ep == 2:
-            assert losses(run) == {s: losses(saved)[s] for s in range(5, STEPS + 1)}
-        same_training(run, saved, range(5, STEPS + 1))
-    ok(muonrun("export", str(saved), str(tmp_path / "hf")))
+        text = moe_run(run, f"parallel.ep={ep}", bias)
+        assert "resumed from" in text and "resharded" not in text
+        assert losses(run) == {s: losses(saved)[s] for s in range(5, STEPS + 1)}  # bit for bit
+        final = [load_model_tensors(r / "checkpoints" / f"step-{STEPS}") for r in (saved, run)]
+        biases = {k: v for k, v in final[0].items() if k.endswith(BIAS)}
+        assert len(biases) == 4 and all(v.abs().sum() > 0 for v in biases.values())
+        assert all(torch.equal(v, final[1][k]) for k, v in biases.items())
+    across = tmp_path / "ep2-at-ep1"
+    shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step-4", across / "checkpoints" / "step-4")
+    assert "resumed from" in moe_run(across, "parallel.ep=1", bias)
+    same_training(across, tmp_path / "ep2", range(5, STEPS + 1))
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    hf = tmp_path / "ep1" / "hf"
+    assert (hf / "router_expert_bias.safetensors").exists()
+    assert "router_expert_bias.safetensors" in (hf / "README.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    assert model.config.model_type == "qwen2_moe" and model.config.num_experts == 6
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6
-    ids = torch.arange(1, 33).view(1, -1)
-    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+    assert model.generate(torch.tensor([[10, 20, 30]]), max_new_tokens=5, do_sample=False).shape == (1, 8)
 
 
 @pytest.mark.slow

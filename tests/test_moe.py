@@ -1,15 +1,13 @@
 """Mixture-of-experts (Qwen2-MoE): the model, its load-balancing loss and expert load, FLOPs over active
-parameters, the optimizer split, Muon per expert matrix on gloo ranks (tests/dist/moe_worker.py), and
-`tiny-moe` end to end: exact resume, reshard on resume, export that transformers loads and generates with.
+parameters, the optimizer split, Muon per expert matrix on gloo ranks (tests/dist/moe_worker.py).
+`tiny-moe` end to end (exact resume, reshard on resume, the export transformers loads and generates
+with): tests/test_expert_parallel.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -208,76 +206,6 @@ def test_muon_on_experts_matches_torch_muon_per_expert_matrix():
     assert "MOE_WORKER_OK" in out, out
     assert out.count("worst relative difference") == 12, out
     assert "router bias equal on every rank" in out, out
-
-
-# -- tiny-moe end to end --------------------------------------------------------------------------------
-
-SMALL = [
-    "data.seq_len=64",
-    "train.micro_batch_size=2",
-    "train.eval_interval=0",
-    "logging.log_interval=1",
-    "logging.console=plain",
-    "train.max_steps=4",
-    "checkpoint.interval=2",
-    "train.router_bias_update_rate=0.01",  # the bias rides along: resumed, resharded, exported apart
-]
-
-
-def muonrun(*args: str, timeout: float = 500) -> str:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [sys.executable, "-m", "muonrun", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return r.stdout + r.stderr
-
-
-def rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.mark.slow
-def test_tiny_moe_resumes_exactly_reshards_and_exports_a_model_transformers_generates_with(tmp_path):
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    muonrun("pretrain", "tiny-moe", f"output_dir={full}", *SMALL, "checkpoint.export_at_end=true")
-    train = [r for r in rows(full) if "loss" in r]
-    assert [r["step"] for r in train] == [1, 2, 3, 4]
-    for key in ("aux_loss", "expert_load_max_mean", "router_entropy", "expert_load_max_mean_3"):
-        assert all(isinstance(r[key], float) for r in train), (key, train[-1])
-    # the step-2 checkpoint resumed to 4 on the same 2 workers: bitwise the same losses
-    text = muonrun(
-        "pretrain",
-        "tiny-moe",
-        f"output_dir={cut}",
-        *SMALL,
-        f"checkpoint.resume_from={full / 'checkpoints' / 'step-2'}",
-    )
-    assert "resumed" in text and "resharded" not in text
-    assert [r["loss"] for r in rows(cut) if "loss" in r and r["step"] > 2] == [r["loss"] for r in train[2:]]
-    from muonrun.checkpoint.safe import load_model_tensors
-
-    bias = {k: v for k, v in load_model_tensors(full / "checkpoints" / "step-4").items() if k.endswith(BIAS)}
-    again = load_model_tensors(cut / "checkpoints" / "step-4")
-    assert len(bias) == 4 and all(v.abs().sum() > 0 for v in bias.values())
-    assert all(torch.equal(v, again[k]) for k, v in bias.items())  # bitwise after the resume
-    # resharded: the 2-worker checkpoint of step 2 resumed by 1 worker
-    one = tmp_path / "one"
-    text = muonrun(
-        "pretrain", "tiny-moe", f"output_dir={one}", *SMALL,
-        f"checkpoint.resume_from={full / 'checkpoints' / 'step-2'}", "--nproc-per-node", "1",
-    )  # fmt: skip
-    assert "resharded" in text
-    assert [r["step"] for r in rows(one) if "loss" in r] == [3, 4]
-    # the export loads with transformers alone and generates
-    from transformers import AutoModelForCausalLM
-
-    assert (full / "hf" / "router_expert_bias.safetensors").exists()
-    assert "router_expert_bias.safetensors" in (full / "hf" / "README.md").read_text()
-    hf = AutoModelForCausalLM.from_pretrained(full / "hf")
-    assert hf.config.model_type == "qwen2_moe" and hf.config.num_experts == 6
-    out = hf.generate(torch.tensor([[10, 20, 30]]), max_new_tokens=5, do_sample=False)
-    assert out.shape == (1, 8)
 
 
 def test_lora_on_a_mixture_of_experts_is_refused_naming_the_key(tmp_path):

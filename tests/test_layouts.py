@@ -1,0 +1,67 @@
+"""The whole four-rank layout matrix of tensor and expert parallelism (gloo, CPU): the tiny preset at dp 4
+and at dp 2 x tp 2, tiny-moe at ep 1, 2 and 4, each with AdamW and with Muon, and each one's checkpoint
+resumed across layouts. Fifteen launches of four workers take about six minutes on 2 cores, so the
+default run leaves them out and makes each claim with fewer launches (test_tensor_parallel.py,
+test_expert_parallel.py); run these with `python3 -m pytest -m layouts -n 2`."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from helpers import STEPS, losses, muonrun, ok, pretrain, pretrain_args
+from test_expert_parallel import rows, same_training
+from test_tensor_parallel import close, grad_norms
+
+pytestmark = [pytest.mark.slow, pytest.mark.layouts]
+
+COMMON = ("checkpoint.interval=4", "checkpoint.keep_last=4")
+
+
+def test_tiny_trains_the_same_at_dp4_and_dp2_tp2_with_adamw_and_muon_and_resumes_across_them(tmp_path):
+    """Four ranks, the same global batch (dp 4 with one sequence each, dp 2 x tp 2 with two): the same
+    losses and gradient norms with AdamW and with Muon. The Muon run at dp 2 x tp 2 saves at step 4; that
+    checkpoint resumes at dp 2 x tp 2 bit for bit and at dp 4 (tp 1) through DCP's resharding."""
+    layouts = {"dp4": ("train.micro_batch_size=1",), "tp2": ("train.micro_batch_size=2", "parallel.tp=2")}
+    for opt in ("adamw", "muon"):
+        for name, layout in layouts.items():
+            ok(pretrain(tmp_path / f"{opt}-{name}", f"optimizer.name={opt}", *COMMON, *layout, nproc=4))
+        a, b = tmp_path / f"{opt}-dp4", tmp_path / f"{opt}-tp2"
+        close(losses(a), losses(b), range(1, STEPS + 1))
+        for s in range(1, STEPS + 1):
+            assert grad_norms(a)[s] == pytest.approx(grad_norms(b)[s], rel=1e-3), (opt, s)
+    saved = tmp_path / "muon-tp2"
+    for name, layout in layouts.items():
+        run = tmp_path / f"resume-{name}"
+        shutil.copytree(saved / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
+        out = ok(pretrain(run, "optimizer.name=muon", *COMMON, *layout, nproc=4))
+        assert "resumed from" in out and "step-4" in out, out
+        if name == "tp2":  # the same layout: bit for bit
+            assert losses(run) == {s: losses(saved)[s] for s in range(5, STEPS + 1)}
+        close(losses(run), losses(saved), range(5, STEPS + 1))
+
+
+def test_tiny_moe_trains_the_same_at_ep_1_2_and_4_with_adamw_and_muon_and_resumes_across_ep(tmp_path):
+    """Four ranks, one micro-batch each, 8 experts (tiny-moe's 6 do not split over 4): at ep 1, 2 and 4
+    the same losses, aux losses, expert loads and gradient norms, with AdamW and with Muon. The Muon ep 2
+    run's step-4 checkpoint resumes bit for bit at ep 2 and through DCP's resharding at ep 1 and 4."""
+
+    def moe_run(out, *overrides):
+        args = pretrain_args(out, "+model.hf.num_experts=8", *COMMON, *overrides, nproc=4)
+        args[1] = "tiny-moe"
+        return ok(muonrun(*args))
+
+    for opt in ("muon", "adamw"):
+        for ep in (1, 2, 4):
+            moe_run(tmp_path / f"{opt}-ep{ep}", f"parallel.ep={ep}", f"optimizer.name={opt}")
+        for ep in (2, 4):
+            same_training(tmp_path / f"{opt}-ep1", tmp_path / f"{opt}-ep{ep}", range(1, STEPS + 1))
+            assert rows(tmp_path / f"{opt}-ep{ep}")[STEPS]["ep_tokens_received"] > 0
+    saved = tmp_path / "muon-ep2"
+    for ep in (2, 1, 4):
+        run = tmp_path / f"resume-ep{ep}"
+        shutil.copytree(saved / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
+        assert "resumed from" in moe_run(run, f"parallel.ep={ep}", "optimizer.name=muon")
+        if ep == 2:
+            assert losses(run) == {s: losses(saved)[s] for s in range(5, STEPS + 1)}
+        same_training(run, saved, range(5, STEPS + 1))
