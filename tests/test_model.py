@@ -99,7 +99,7 @@ def test_training_steps_never_wait_for_the_gpu(tmp_path, preset, optimizer, extr
     trainer = Trainer(load_config(preset, overrides))
 
     def step(log: bool) -> None:
-        loss, grad_norm, wait = trainer.train_step()
+        loss, grad_norm, wait = trainer.train_step(trainer.accum_steps())
         trainer.state.step += 1
         telemetry = trainer.telemetry() if log and trainer.logs(trainer.state.step) else None
         trainer.metrics.record(

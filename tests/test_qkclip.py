@@ -367,7 +367,7 @@ def test_compiled_training_steps_with_qk_clip_never_wait_for_the_gpu(tmp_path):
     torch._dynamo.utils.counters.clear()
 
     def step(log: bool) -> None:
-        loss, grad_norm, wait = trainer.train_step()
+        loss, grad_norm, wait = trainer.train_step(trainer.accum_steps())
         trainer.state.step += 1
         telemetry = trainer.telemetry() if log else None
         trainer.metrics.record(
