@@ -1,5 +1,5 @@
-"""Shared test set-up: GPU tests are skipped without a GPU; every test runs offline; `one_thread`; process
-groups made in this process are freed before it exits."""
+"""Shared test set-up: the longest files collected first; GPU tests are skipped without a GPU; every test
+runs offline; `one_thread`; process groups made in this process are freed before it exits."""
 
 import gc
 import os
@@ -11,9 +11,33 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The files that launch the most workers, longest first. With `-n 2 --dist loadfile
+# --no-loadscope-reorder` pytest-xdist hands out files in collection order as its workers free up, so the
+# long ones start early and the two workers finish together (by default it orders files by their number
+# of tests, and a file of three long launches came last, one worker idle for minutes).
+LONGEST_FIRST = (
+    "test_checkpoint.py",
+    "test_expert_parallel.py",
+    "test_tensor_parallel.py",
+    "test_layouts.py",
+    "test_checkpoint_integrity.py",
+    "test_train_state.py",
+    "test_cluster.py",
+    "test_launch.py",
+    "test_ramp.py",
+    "test_eval.py",
+    "test_failures.py",
+    "test_lora.py",
+    "test_muon.py",
+    "test_moe.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

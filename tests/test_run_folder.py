@@ -99,7 +99,7 @@ def test_a_file_where_a_folder_belongs_and_the_reverse_exit_2_before_any_worker_
         JsonlSink(pipe / "metrics.jsonl")
 
 
-def test_checkpoints_may_link_to_scratch_but_not_into_another_run(tmp_path):
+def test_checkpoints_may_link_to_scratch_but_not_into_another_run_or_its_scratch(tmp_path):
     from muonrun.launch.run_folder import check_output_dir
 
     other = tmp_path / "runs" / "a"
@@ -119,7 +119,19 @@ def test_checkpoints_may_link_to_scratch_but_not_into_another_run(tmp_path):
     check_output_dir(
         run, "b"
     )  # a plain folder elsewhere: accepted (a launch trains into it: test_train_state)
-    (run / "checkpoints").unlink()
+    # a second run linking to the same scratch folder: refused while the first's link points there
+    from muonrun.launch.run_folder import OWNER_MARK, mark_checkpoints_owner
+
+    (run / "config.yaml").write_text("name: b\n")
+    mark_checkpoints_owner(run)  # what b's launch does under its lock
+    assert (tmp_path / "scratch" / "b" / OWNER_MARK).read_text() == f"{run.resolve()}\n"
+    third = tmp_path / "runs" / "c"
+    third.mkdir()
+    (third / "checkpoints").symlink_to(tmp_path / "scratch" / "b")
+    refused(third, f"which holds the checkpoints of the run '{run.resolve()}' (its checkpoints/ links there")
+    check_output_dir(run, "b")  # its owner goes on
+    (run / "checkpoints").unlink()  # b's link moved away: the mark is stale, c may take the folder
+    check_output_dir(third, "c")
     (run / "checkpoints").symlink_to(run / "elsewhere-in-itself")
     (run / "elsewhere-in-itself").mkdir()
     check_output_dir(run, "b")

@@ -42,11 +42,11 @@ def test_a_preemption_between_logged_steps_resumes_the_logged_loss_exactly_and_a
     # SIGTERM after step 4: the ranks agree one step late and save at step 5 or 6, between logged steps 4
     # and 8, with the loss of the steps since step 4 summed but not yet logged
     text = ok(run(out, fault="terms@4"))
-    stopped = max(int(p.name.split("-")[1]) for p in scratch.iterdir())
+    stopped = max(int(p.name.split("-")[1]) for p in scratch.glob("step-*"))
     assert stopped in (5, 6) and f"Stopped by signal after step {stopped}" in text, text[-3000:]
     assert "resumed from" in ok(run(out))
     assert losses(out) == losses(ref) == {4: losses(ref)[4], 8: losses(ref)[8]}  # row 8 averages 5..8 too
-    assert sorted(p.name for p in scratch.iterdir()) == [f"step-{stopped}", "step-8"]
+    assert sorted(p.name for p in scratch.iterdir()) == [".muonrun-owner", f"step-{stopped}", "step-8"]
 
     # the same command again, or with fewer steps: nothing to train, nothing in the folder rewritten
     before = digest(out / "config.yaml", out / "metrics.jsonl")

@@ -24,7 +24,7 @@ from muonrun.config import CheckpointConfig, Config, to_yaml
 from muonrun.distributed import mesh_shape
 from muonrun.errors import UserError
 from muonrun.launch.lock import RunLock
-from muonrun.launch.run_folder import CONTROL_DIR, check_output_dir
+from muonrun.launch.run_folder import CONTROL_DIR, check_output_dir, mark_checkpoints_owner
 from muonrun.launch.supervise import Supervisor, WorkersReported, quiet_leak_warnings
 from muonrun.launch.worker import (
     CONTROL_ENV,
@@ -188,6 +188,8 @@ def launch(cfg: Config) -> int:
     # OUTPUT_DIR/config.yaml is written by the training itself, once its checkpoint is loaded: a run
     # refused at resume leaves the folder's config as it was.
     with run_lock:
+        if plan.node_rank == 0:
+            mark_checkpoints_owner(out)  # a second run linking its checkpoints/ here is refused
         # the workers' parent (they die with it) and where MUONRUN_FAULT=term@STEP sends SIGTERM
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         if plan.in_process:

@@ -6,7 +6,9 @@ config.yaml, wandb_id) only as plain files and folders, never through a symbolic
 could point at a file of the user's, which a launch would truncate, append to or delete. The writers
 refuse one themselves (muonrun/paths.py); this check finds it before any worker starts. `checkpoints/`
 may be a link to a folder, the usual way to put checkpoints on scratch storage, but not into another
-run's folder: it would resume that run's checkpoints, write its own among them and prune them.
+run's folder: it would resume that run's checkpoints, write its own among them and prune them. Nor into
+a folder another run's `checkpoints/` links to: the launch marks a linked folder with its run folder's
+path (`.muonrun-owner`), and a second run linking there is refused while that run's link still does.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from pathlib import Path
 from muonrun.checkpoint.files import CONFIG, check_run_folder
 from muonrun.errors import UserError
 from muonrun.launch.lock import LOCK_FILE, lock_file
-from muonrun.paths import refuse_not_own
+from muonrun.paths import open_own, refuse_not_own
 
 CONTROL_DIR = ".muonrun"  # in output_dir: one control folder per node while a launch runs
 METRICS = "metrics.jsonl"
+OWNER_MARK = ".muonrun-owner"  # in a folder `checkpoints/` links to: the run folder whose it is
 # muonrun's own entries in a run folder: (name, kind, what it is)
 OWN = (
     (LOCK_FILE, "file", "the run folder's lock"),
@@ -100,8 +103,40 @@ def check_checkpoints_folder(out: Path) -> None:
                     "resume that run's checkpoints, save among them and prune them. Point the link at a folder "
                     "of this run's own (on scratch storage, say), or remove it."
                 )
+        owner = linked_owner(target)
+        if owner is not None and owner != home:
+            raise UserError(
+                f"'{folder}' is a symbolic link to '{target}', which holds the checkpoints of the run "
+                f"'{owner}' (its checkpoints/ links there too): the two runs would resume, overwrite and prune "
+                "each other's checkpoints. Point this link at a folder of this run's own, or remove it."
+            )
     if not folder.is_dir():
         raise UserError(
             f"'{folder}' is a file, but a run keeps its checkpoints in a folder of that name. Move the file "
             "away, or set output_dir to another folder."
         )
+
+
+def linked_owner(target: Path) -> Path | None:
+    """The run folder whose `checkpoints/` links to `target`, as `target`'s mark names it, while that run
+    still exists and its link still points there (a run moved or deleted leaves a stale mark)."""
+    try:
+        owner = Path((target / OWNER_MARK).read_text().strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+    link = owner / "checkpoints"
+    if not owner.is_absolute() or not link.is_symlink() or not is_run_folder(owner):
+        return None
+    return owner if link.resolve() == target else None
+
+
+def mark_checkpoints_owner(out: Path) -> None:
+    """When OUTPUT_DIR/checkpoints links elsewhere, name this run in the linked folder (OWNER_MARK), so
+    that a second run linking there is refused (`check_checkpoints_folder`). Node 0, under the lock."""
+    folder = out / "checkpoints"
+    if not folder.is_symlink():
+        return
+    mark = folder.resolve() / OWNER_MARK
+    fd = open_own(mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "the mark naming the run its checkpoints are")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{out.resolve()}\n")
