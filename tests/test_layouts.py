@@ -1,8 +1,8 @@
 """The whole four-rank layout matrix of tensor and expert parallelism (gloo, CPU): the tiny preset at dp 4
 and at dp 2 x tp 2, tiny-moe at ep 1, 2 and 4, each with AdamW and with Muon, and each one's checkpoint
-resumed across layouts. Fifteen launches of four workers take about six minutes on 2 cores, so the
-default run leaves them out and makes each claim with fewer launches (test_tensor_parallel.py,
-test_expert_parallel.py); run these with `python3 -m pytest -m layouts -n 2`."""
+resumed across layouts; GPT-OSS and Qwen3-MoE at ep 1 and 2. Their launches take about five minutes on
+2 cores, so the default run leaves them out and makes each claim with fewer launches
+(test_tensor_parallel.py, test_expert_parallel.py); run these with `python3 -m pytest -m layouts -n 2`."""
 
 from __future__ import annotations
 
@@ -65,3 +65,32 @@ def test_tiny_moe_trains_the_same_at_ep_1_2_and_4_with_adamw_and_muon_and_resume
         if ep == 2:
             assert losses(run) == {s: losses(saved)[s] for s in range(5, STEPS + 1)}
         same_training(run, saved, range(5, STEPS + 1))
+
+
+@pytest.mark.parametrize(
+    "architecture, experts",
+    [
+        ("gpt_oss", "intermediate_size: 48, num_local_experts: 4, head_dim: 16"),  # [E, H, 2I], biases
+        ("qwen3_moe", "intermediate_size: 96, moe_intermediate_size: 48, num_experts: 4"),
+    ],
+)
+def test_other_moe_families_train_the_same_at_ep_1_and_2(tmp_path, architecture, experts):
+    """GPT-OSS (stacked experts stored [E, in, out], gate and up interleaved, expert biases) and Qwen3-MoE
+    on two ranks with Muon: ep 1 and ep 2 give the same losses and gradient norms."""
+    config = tmp_path / "moe.yaml"
+    config.write_text(
+        f"model: {{architecture: {architecture}, attn_implementation: eager, hf: {{vocab_size: 320, "
+        "hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+        f"num_experts_per_tok: 2, {experts}}}}}\n"
+        "data: {sources: [{path: '${stdlib:}/json/*.py'}], tokenizer: byte, seq_len: 64}\n"
+        "train: {max_steps: 6, device: cpu, eval_interval: 0, micro_batch_size: 4}\n"
+        "logging: {console: plain, log_interval: 1}\noptimizer: {name: muon}\n"
+    )
+    for ep in (1, 2):
+        out = f"output_dir={tmp_path / f'ep{ep}'}"
+        ok(muonrun("pretrain", str(config), out, f"parallel.ep={ep}", "--nproc-per-node", "2"))
+    a, b = rows(tmp_path / "ep1"), rows(tmp_path / "ep2")
+    assert sorted(a) == sorted(b) == list(range(1, 7)) and b[6]["ep_tokens_received"] > 0
+    for s in a:
+        for key in ("loss", "grad_norm"):
+            assert a[s][key] == pytest.approx(b[s][key], rel=1e-3), (architecture, s, key, a[s], b[s])
