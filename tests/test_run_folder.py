@@ -99,7 +99,7 @@ def test_a_file_where_a_folder_belongs_and_the_reverse_exit_2_before_any_worker_
         JsonlSink(pipe / "metrics.jsonl")
 
 
-def test_checkpoints_may_link_to_scratch_but_not_into_another_run_or_its_scratch(tmp_path):
+def test_checkpoints_may_link_to_scratch_but_not_into_another_run_or_its_scratch(tmp_path, monkeypatch):
     from muonrun.launch.run_folder import check_output_dir
 
     other = tmp_path / "runs" / "a"
@@ -132,6 +132,14 @@ def test_checkpoints_may_link_to_scratch_but_not_into_another_run_or_its_scratch
     check_output_dir(run, "b")  # its owner goes on
     (run / "checkpoints").unlink()  # b's link moved away: the mark is stale, c may take the folder
     check_output_dir(third, "c")
+    import muonrun.launch.run_folder as run_folder
+
+    def unwritable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")  # a read-only scratch folder (root writes anyway)
+
+    monkeypatch.setattr(run_folder, "open_own", unwritable)
+    with pytest.raises(UserError, match=r"links to '.*scratch/b', where this run cannot write \(Permission"):
+        mark_checkpoints_owner(third)
     (run / "checkpoints").symlink_to(run / "elsewhere-in-itself")
     (run / "elsewhere-in-itself").mkdir()
     check_output_dir(run, "b")

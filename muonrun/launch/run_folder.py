@@ -137,6 +137,14 @@ def mark_checkpoints_owner(out: Path) -> None:
     if not folder.is_symlink():
         return
     mark = folder.resolve() / OWNER_MARK
-    fd = open_own(mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "the mark naming the run its checkpoints are")
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{out.resolve()}\n")
+    try:
+        fd = open_own(
+            mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "the mark naming the run its checkpoints are"
+        )
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{out.resolve()}\n")
+    except OSError as e:  # checkpoints are saved there: say so now rather than at the first save
+        raise UserError(
+            f"'{folder}' links to '{mark.parent}', where this run cannot write ({e.strerror}): its checkpoints "
+            "are saved there. Make that folder writable, or point the link at one that is."
+        ) from None
