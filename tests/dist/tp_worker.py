@@ -86,6 +86,17 @@ def set_grads(params, full) -> None:
         )
 
 
+def step_both(opt, params, ref_opt, ref, steps: int) -> None:
+    """`steps` steps of ours on the split parameters and the reference on the full ones, same gradients."""
+    for step in range(steps):
+        g = grads(step)
+        set_grads(params, g)
+        for r, gi in zip(ref, g, strict=True):
+            r.grad = gi.clone()
+        opt.step()
+        ref_opt.step()
+
+
 def check(tag: str, shape, variant: str, nesterov: bool, wd: float, fn) -> None:
     model, full = build(shape)
     params = list(model.parameters())
@@ -97,13 +108,7 @@ def check(tag: str, shape, variant: str, nesterov: bool, wd: float, fn) -> None:
         ref_opt = NorMuonReference(ref, reference_ns(False, False, torch.bfloat16), **kw)
     else:
         ref_opt = torch.optim.Muon(ref, **kw)
-    for step in range(4):
-        g = grads(step)
-        set_grads(params, g)
-        for r, gi in zip(ref, g, strict=True):
-            r.grad = gi.clone()
-        opt.step()
-        ref_opt.step()
+    step_both(opt, params, ref_opt, ref, steps=4)
     for i, (p, q, q0) in enumerate(zip(params, ref, full, strict=True)):
         mine, theirs = p._local_tensor, part(q, p)
         diff = (mine - theirs).abs().max().item() if mine.numel() else 0.0
@@ -125,13 +130,7 @@ def check_adamw(tag: str, shape) -> None:
     params = list(model.parameters())
     ref = [f.clone() for f in full]
     opt, ref_opt = AdamW(params, lr=LR, weight_decay=0.1), torch.optim.AdamW(ref, lr=LR, weight_decay=0.1)
-    for step in range(3):
-        g = grads(step)
-        set_grads(params, g)
-        for r, gi in zip(ref, g, strict=True):
-            r.grad = gi.clone()
-        opt.step()
-        ref_opt.step()
+    step_both(opt, params, ref_opt, ref, steps=3)
     for i, (p, q) in enumerate(zip(params, ref, strict=True)):
         torch.testing.assert_close(p._local_tensor, part(q, p), rtol=1e-5, atol=1e-7, msg=f"{tag}: matrix {i}")
 
