@@ -76,6 +76,12 @@ def spawned_workers(pid: int) -> int:
     return workers
 
 
+def step_rows(run: Path) -> dict[int, dict]:
+    """Each training row of metrics.jsonl by step (the last, where a resumed run logged a step again)."""
+    rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
 def losses(run: Path) -> dict[int, list[float]]:
     """Every logged loss by step (a resumed run appends to metrics.jsonl, so a step can repeat)."""
     out: dict[int, list[float]] = {}

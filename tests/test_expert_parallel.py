@@ -4,13 +4,12 @@ and across ep, the export, and the mistakes refused before any worker starts."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import STEPS, losses, muonrun, ok, pretrain_args, run_workers
+from helpers import STEPS, losses, muonrun, ok, pretrain_args, run_workers, step_rows
 from typer.testing import CliRunner
 
 from muonrun.cli import app
@@ -32,12 +31,6 @@ def test_dispatch_and_muon_on_expert_parallel_experts_equal_the_unsplit_experts(
     assert "every token to one ep rank's experts: dispatch, gradients, AdamW and Muon OK" in out, out
 
 
-def rows(run: Path) -> dict[int, dict]:
-    return {
-        r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r
-    }
-
-
 def moe_run(out: Path, *overrides: str) -> str:
     args = pretrain_args(out, "checkpoint.interval=4", "checkpoint.keep_last=4", *overrides, nproc=2)
     args[1] = "tiny-moe"
@@ -48,7 +41,7 @@ def same_training(a: Path, b: Path, steps) -> None:
     """The same loss, load-balancing loss, gradient norm and expert load at every step, up to fp32
     rounding (which may flip a near-tie in one token's routing: the busiest expert's load, a count, may
     move by a token or two)."""
-    ra, rb = rows(a), rows(b)
+    ra, rb = step_rows(a), step_rows(b)
     for s in steps:
         for key, rel in (
             ("loss", 1e-3),
@@ -75,10 +68,10 @@ def test_tiny_moe_trains_the_same_at_ep_1_and_2_resumes_exactly_across_ep_and_ex
     moe_run(tmp_path / "ep1", "parallel.ep=1", bias, "checkpoint.export_at_end=true")
     moe_run(tmp_path / "ep2", "parallel.ep=2", bias)
     same_training(tmp_path / "ep1", tmp_path / "ep2", range(1, STEPS + 1))
-    last = rows(tmp_path / "ep2")[STEPS]
-    assert last["ep_tokens_received"] > 0 and "ep_tokens_received" not in rows(tmp_path / "ep1")[STEPS]
+    last = step_rows(tmp_path / "ep2")[STEPS]
+    assert last["ep_tokens_received"] > 0 and "ep_tokens_received" not in step_rows(tmp_path / "ep1")[STEPS]
     for key in ("aux_loss", "expert_load_max_mean", "router_entropy", "expert_load_max_mean_3"):
-        assert all(isinstance(r[key], float) for r in rows(tmp_path / "ep2").values()), (key, last)
+        assert all(isinstance(r[key], float) for r in step_rows(tmp_path / "ep2").values()), (key, last)
     for ep in (1, 2):
         saved, run = tmp_path / f"ep{ep}", tmp_path / f"resume-ep{ep}"
         shutil.copytree(saved / "checkpoints" / "step-4", run / "checkpoints" / "step-4")

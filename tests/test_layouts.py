@@ -9,9 +9,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from helpers import STEPS, losses, muonrun, ok, pretrain, pretrain_args
-from test_expert_parallel import rows, same_training
-from test_tensor_parallel import close, grad_norms
+from helpers import STEPS, losses, muonrun, ok, pretrain, pretrain_args, step_rows
+from test_expert_parallel import same_training
+from test_tensor_parallel import close
 
 pytestmark = [pytest.mark.slow, pytest.mark.layouts]
 
@@ -29,7 +29,8 @@ def test_tiny_trains_the_same_at_dp4_and_dp2_tp2_with_adamw_and_muon_and_resumes
         a, b = tmp_path / f"{opt}-dp4", tmp_path / f"{opt}-tp2"
         close(losses(a), losses(b), range(1, STEPS + 1))
         for s in range(1, STEPS + 1):
-            assert grad_norms(a)[s] == pytest.approx(grad_norms(b)[s], rel=1e-3), (opt, s)
+            norms = [step_rows(run)[s]["grad_norm"] for run in (a, b)]
+            assert norms[0] == pytest.approx(norms[1], rel=1e-3), (opt, s)
     saved = tmp_path / "muon-tp2"
     for name, layout in layouts.items():
         run = tmp_path / f"resume-{name}"
@@ -56,7 +57,7 @@ def test_tiny_moe_trains_the_same_at_ep_1_2_and_4_with_adamw_and_muon_and_resume
             moe_run(tmp_path / f"{opt}-ep{ep}", f"parallel.ep={ep}", f"optimizer.name={opt}")
         for ep in (2, 4):
             same_training(tmp_path / f"{opt}-ep1", tmp_path / f"{opt}-ep{ep}", range(1, STEPS + 1))
-            assert rows(tmp_path / f"{opt}-ep{ep}")[STEPS]["ep_tokens_received"] > 0
+            assert step_rows(tmp_path / f"{opt}-ep{ep}")[STEPS]["ep_tokens_received"] > 0
     saved = tmp_path / "muon-ep2"
     for ep in (2, 1, 4):
         run = tmp_path / f"resume-ep{ep}"
@@ -89,7 +90,7 @@ def test_other_moe_families_train_the_same_at_ep_1_and_2(tmp_path, architecture,
     for ep in (1, 2):
         out = f"output_dir={tmp_path / f'ep{ep}'}"
         ok(muonrun("pretrain", str(config), out, f"parallel.ep={ep}", "--nproc-per-node", "2"))
-    a, b = rows(tmp_path / "ep1"), rows(tmp_path / "ep2")
+    a, b = step_rows(tmp_path / "ep1"), step_rows(tmp_path / "ep2")
     assert sorted(a) == sorted(b) == list(range(1, 7)) and b[6]["ep_tokens_received"] > 0
     for s in a:
         for key in ("loss", "grad_norm"):

@@ -4,13 +4,12 @@ worker starts."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import STEPS, losses, muonrun, ok, pretrain, run_workers
+from helpers import STEPS, losses, muonrun, ok, pretrain, run_workers, step_rows
 from typer.testing import CliRunner
 
 from muonrun.cli import app
@@ -28,11 +27,6 @@ def test_muon_on_tensor_parallel_shards_equals_torch_muon():
     assert "TP_WORKER_OK" in out, out
     for tag in ("tp 2 x dp 2", "tp 4", "tp 2 hsdp 2x1"):
         assert f"{tag}: 3 combinations, AdamW and clip OK" in out, out
-
-
-def grad_norms(run: Path) -> dict[int, float]:
-    rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r["grad_norm"] for r in rows if "grad_norm" in r}
 
 
 def close(a: dict[int, list[float]], b: dict[int, list[float]], steps) -> None:
@@ -56,9 +50,9 @@ def test_the_tiny_preset_trains_the_same_with_and_without_tp_and_resumes_across_
     for name, layout in runs.items():
         ok(pretrain(tmp_path / name, *common, *layout, nproc=4))
     close(losses(tmp_path / "muon-dp4"), losses(tmp_path / "muon-tp2"), range(1, STEPS + 1))
-    norms = [grad_norms(tmp_path / name) for name in runs]
+    norms = [step_rows(tmp_path / name) for name in runs]
     for s in range(1, STEPS + 1):
-        assert norms[0][s] == pytest.approx(norms[1][s], rel=1e-3), (s, norms)
+        assert norms[0][s]["grad_norm"] == pytest.approx(norms[1][s]["grad_norm"], rel=1e-3), s
     saved = tmp_path / "muon-tp2"
     resumes = {"tp2": (4, runs["muon-tp2"]), "dp2": (2, ("train.micro_batch_size=2",))}
     for name, (nproc, layout) in resumes.items():

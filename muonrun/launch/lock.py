@@ -67,15 +67,18 @@ class Holder:
 
     def alive_here(self) -> bool:
         """On this machine and its process still running (False where that cannot be told)."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # another user's process
-            return True
+        return self.host == socket.gethostname() and pid_exists(self.pid)
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (another user's, or a zombie, counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
         return True
+    return True
 
 
 class RunLock:

@@ -38,7 +38,8 @@ from pathlib import Path
 from muonrun import log
 from muonrun.checkpoint.stop import TERMINAL_SIGNALS, Quit, detach_from_terminal
 from muonrun.errors import UserError
-from muonrun.launch.worker import REPORTED, REPORTS
+from muonrun.launch.lock import pid_exists
+from muonrun.launch.worker import REPORTED, REPORTS, STOPPED_EXIT
 from muonrun.observe.console import LIVE_VIEW_FILE
 
 
@@ -93,17 +94,6 @@ PEER_GRACE_S = 0.5
 # How long an early stop's report waits for the other workers to report or exit before they are killed:
 # they got the same stop request and stop within a batch of their work (checkpoint/stop.py: check_stop).
 EARLY_STOP_GRACE_S = 20.0
-
-
-def _exists(pid: int) -> bool:
-    """Whether process `pid` exists (a zombie too: its exit is in `Supervisor._seen` then)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Supervisor:
@@ -227,7 +217,7 @@ class Supervisor:
     def _reported(self, signum, frame) -> None:
         if self.stopping:
             return  # another worker's report, while the first one's is being acted on
-        if not any((self.control / "reports").glob(REPORTS)):  # a worker writes its report first
+        if not self._reports():  # a worker writes its report first
             log.warning("got SIGUSR2 from outside the job (its workers use it to report a failure): ignored.")
             return
         if self._early_stop_reported():
@@ -239,8 +229,6 @@ class Supervisor:
         return sorted((self.control / "reports").glob(REPORTS))
 
     def _early_stop_reported(self) -> bool:
-        from muonrun.launch.worker import STOPPED_EXIT
-
         return all(p.name.startswith(f"exit{STOPPED_EXIT}-") for p in self._reports())
 
     def _wait_for_reports(self, timeout_s: float) -> None:
@@ -249,7 +237,7 @@ class Supervisor:
         while time.monotonic() < deadline:
             reported = {p.stem.rpartition("-pid")[2] for p in self._reports()}
             if all(
-                str(pid) in reported or pid in self._seen or not _exists(pid) for pid in self._registered()
+                str(pid) in reported or pid in self._seen or not pid_exists(pid) for pid in self._registered()
             ):
                 return
             time.sleep(0.1)
