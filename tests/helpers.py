@@ -196,3 +196,15 @@ def run_workers(
     if proc.returncode != 0:
         raise WorkersFailed(f"{' '.join(cmd)} exited with {proc.returncode}\n{proc.stdout}")
     return proc.stdout
+
+
+def tiny_pretrained(folder: Path, seed: int = 1) -> Path:
+    """A randomly initialised model with the tiny preset's architecture, saved as Hugging Face does."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from muonrun.config import load_config
+
+    torch.manual_seed(seed)
+    hf_kwargs = dict(load_config("tiny").model.hf)
+    AutoModelForCausalLM.from_config(Qwen2Config(**hf_kwargs)).save_pretrained(folder)
+    return folder

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, run_workers
+from helpers import losses, run_workers, tiny_pretrained
 from typer.testing import CliRunner
 
 from muonrun.checkpoint import resolve_checkpoint
@@ -27,16 +27,6 @@ from muonrun.config import load_config
 
 runner = CliRunner()
 WORKER = Path(__file__).parent / "dist" / "lora_worker.py"
-
-
-def tiny_pretrained(folder: Path, seed: int = 1) -> Path:
-    """A randomly initialised model with the tiny preset's architecture, saved as Hugging Face does."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(seed)
-    hf_kwargs = dict(load_config("tiny").model.hf)
-    AutoModelForCausalLM.from_config(Qwen2Config(**hf_kwargs)).save_pretrained(folder)
-    return folder
 
 
 def text_file(path: Path) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import STEPS, losses, muonrun, ok, pretrain, run_workers, step_rows
+from helpers import STEPS, losses, muonrun, ok, pretrain, run_workers, step_rows, tiny_pretrained
 from typer.testing import CliRunner
 
 from muonrun.cli import app
@@ -39,10 +39,17 @@ def close(a: dict[int, list[float]], b: dict[int, list[float]], steps) -> None:
 def test_the_tiny_preset_trains_the_same_with_and_without_tp_and_resumes_across_layouts(tmp_path):
     """Four ranks, the same global batch: dp 4 with one sequence each, or dp 2 x tp 2 with two (the tp
     ranks of a data-parallel rank share it): the same losses and gradient norms with Muon (AdamW steps
-    the embeddings and norms). The dp 2 x tp 2 run saves at step 4; that checkpoint resumes at
+    the embeddings and norms), and QK-clip measuring the same largest logits and clipping the same
+    heads (each tp rank measures and rescales its own heads' rows). The dp 2 x tp 2 run saves at step 4; that checkpoint resumes at
     dp 2 x tp 2 bit for bit, and on two ranks without tensor parallelism through DCP's resharding,
     training on as the uninterrupted run does. Its export loads in transformers."""
-    common = ("optimizer.name=muon", "checkpoint.interval=4", "checkpoint.keep_last=4")
+    # tau below the tiny model's largest logits (about 0.25): some heads are clipped at every step
+    common = (
+        "optimizer.name=muon",
+        "checkpoint.interval=4",
+        "checkpoint.keep_last=4",
+        "train.qk_clip.tau=0.2",
+    )
     runs = {
         "muon-dp4": ("train.micro_batch_size=1",),
         "muon-tp2": ("train.micro_batch_size=2", "parallel.tp=2"),
@@ -53,6 +60,10 @@ def test_the_tiny_preset_trains_the_same_with_and_without_tp_and_resumes_across_
     norms = [step_rows(tmp_path / name) for name in runs]
     for s in range(1, STEPS + 1):
         assert norms[0][s]["grad_norm"] == pytest.approx(norms[1][s]["grad_norm"], rel=1e-3), s
+        logit = [n[s]["max_attention_logit"] for n in norms]
+        assert logit[0] == pytest.approx(logit[1], rel=1e-3), (s, logit)
+        assert norms[0][s]["qk_clipped_heads"] == norms[1][s]["qk_clipped_heads"], s
+    assert sum(norms[1][s]["qk_clipped_heads"] for s in range(1, STEPS + 1)) >= STEPS
     saved = tmp_path / "muon-tp2"
     resumes = {"tp2": (4, runs["muon-tp2"]), "dp2": (2, ("train.micro_batch_size=2",))}
     for name, (nproc, layout) in resumes.items():
@@ -77,10 +88,12 @@ def test_tensor_parallel_mistakes_exit_2_before_any_worker_starts(tmp_path):
     """A tp that does not divide the key-value heads or the workers per node, a model with experts, and a
     feature that does not run on tensor-parallel layers: one paragraph naming parallel.tp, exit 2, no
     worker started (no run folder). One launch as a process, the rest in this one (the same checks)."""
+    base = tiny_pretrained(tmp_path / "base")
+    lora = ("model.lora.enabled=true", "model.init=pretrained", f"model.name_or_path={base}")
     cases = [
         (("tiny", "parallel.tp=4"), 4, "model.hf.num_key_value_heads=2"),
         (("tiny", "parallel.tp=2"), 3, "does not"),
-        (("tiny", "parallel.tp=2", "train.qk_clip.tau=100"), 4, "qk_clip"),
+        (("tiny", "parallel.tp=2", *lora), 4, "lora"),
         (("tiny-moe", "parallel.tp=2"), 2, "experts"),
     ]
     for i, (args, nproc, says) in enumerate(cases):

@@ -32,7 +32,10 @@ under activation checkpointing (the recompute in backward sees the same logits: 
 the measurement runs again there) and over gradient accumulation (the maximum over the step's micro-batches). Evaluation (eval mode) is not
 counted. Under FSDP2 the tensor is per rank: `after_step` takes one MAX all-reduce of it, then
 computes the scales and rescales each rank's rows of q_proj/k_proj on the device, with no branch and
-no host sync (a scale of exactly 1 where nothing is clipped).
+no host sync (a scale of exactly 1 where nothing is clipped). Under tensor parallelism a rank's
+attention computes its tp rank's heads (`local_heads`) and measures those; the others stay -inf
+there until the all-reduce, and each rank rescales the rows of q_proj/k_proj it holds, whichever
+heads they belong to.
 
 Try: muonrun pretrain tiny --nproc-per-node 1 train.max_steps=20 train.qk_clip.tau=5 logging.log_interval=5
 """
@@ -47,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from muonrun import compat
 from muonrun.config import Config
-from muonrun.distributed import all_reduce_max, local_tensor
+from muonrun.distributed import all_reduce_max, local_tensor, tp_mesh
 from muonrun.errors import UserError
 from muonrun.features.protocol import Feature
 from muonrun.model.attention import ATTENTION_NAME, OBSERVER
@@ -126,6 +129,17 @@ def local_rows(p: Tensor) -> range:
     return range(offset[0], offset[0] + shape[0])
 
 
+def local_heads(q_weight: Tensor, heads: int) -> slice:
+    """The query heads this rank's attention computes: all of them, or under tensor parallelism its tp
+    rank's share, in order (a column-wise q_proj hands each tp rank whole heads)."""
+    mesh = q_weight.device_mesh if isinstance(q_weight, DTensor) else None
+    tp = tp_mesh(mesh) if mesh is not None else None
+    if tp is None:
+        return slice(0, heads)
+    share = heads // tp.size()
+    return slice(tp.get_local_rank() * share, (tp.get_local_rank() + 1) * share)
+
+
 def check_clippable(modules: list[nn.Module]) -> None:
     """QK-clip rescales plain q_proj/k_proj Linear weights: a UserError for models where that would not
     scale the logits (QK-norm) or where those weights are not what trains (LoRA adapters)."""
@@ -179,7 +193,7 @@ class QKClip:
         layers = len(modules)
         self.current = torch.full((layers, self.heads), float("-inf"), device=device)
         for i, m in enumerate(modules):
-            setattr(m, ATTR, self.current[i])
+            setattr(m, ATTR, self.current[i, local_heads(m.q_proj.weight, self.heads)])
             setattr(m, OBSERVER, observe)
         self.window = torch.full_like(self.current, float("-inf"))
         self.clipped = torch.zeros((), device=device)
@@ -242,6 +256,8 @@ class QKClip:
 class MaxLogit(Feature):
     """`train.qk_clip.tau` (the clip) or `logging.max_attention_logit` (the measurement alone): checked
     on every build of the model, measured in the worker's forward passes, clipped after each step."""
+
+    tensor_parallel = True
 
     @staticmethod
     def wanted(cfg: Config) -> bool:
