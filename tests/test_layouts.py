@@ -1,7 +1,8 @@
 """The whole four-rank layout matrix of tensor and expert parallelism (gloo, CPU): the tiny preset at dp 4
 and at dp 2 x tp 2, tiny-moe at ep 1, 2 and 4, each with AdamW and with Muon, and each one's checkpoint
-resumed across layouts; GPT-OSS and Qwen3-MoE at ep 1 and 2. Their launches take about five minutes on
-2 cores, so the default run leaves them out and makes each claim with fewer launches
+resumed across layouts; GPT-OSS and Qwen3-MoE at ep 1 and 2; Qwen3 and Llama at tp 1 and 2. Their
+launches take about six minutes on 2 cores, so the default run leaves them out and makes each claim with
+fewer launches
 (test_tensor_parallel.py, test_expert_parallel.py); run these with `python3 -m pytest -m layouts -n 2`."""
 
 from __future__ import annotations
@@ -92,6 +93,31 @@ def test_other_moe_families_train_the_same_at_ep_1_and_2(tmp_path, architecture,
         ok(muonrun("pretrain", str(config), out, f"parallel.ep={ep}", "--nproc-per-node", "2"))
     a, b = step_rows(tmp_path / "ep1"), step_rows(tmp_path / "ep2")
     assert sorted(a) == sorted(b) == list(range(1, 7)) and b[6]["ep_tokens_received"] > 0
+    for s in a:
+        for key in ("loss", "grad_norm"):
+            assert a[s][key] == pytest.approx(b[s][key], rel=1e-3), (architecture, s, key, a[s], b[s])
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_other_dense_families_train_the_same_at_tp_1_and_2(tmp_path, architecture):
+    """Qwen3 (per-head q_norm/k_norm: their gradients summed over tp) and Llama, with their own
+    `base_model_tp_plan`, on two ranks with Muon: tp 1 (dp 2) and tp 2 give the same losses and
+    gradient norms."""
+    config = tmp_path / "dense.yaml"
+    config.write_text(
+        f"model: {{architecture: {architecture}, hf: {{vocab_size: 320, hidden_size: 64, "
+        "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 96, "
+        "head_dim: 16}}\n"
+        "data: {sources: [{path: '${stdlib:}/json/*.py'}], tokenizer: byte, seq_len: 64}\n"
+        "train: {max_steps: 6, device: cpu, eval_interval: 0}\n"
+        "logging: {console: plain, log_interval: 1}\noptimizer: {name: muon}\n"
+    )
+    for tp, batch in ((1, 2), (2, 4)):  # the same global batch: dp 2 x 2 sequences, or dp 1 x 4
+        out = f"output_dir={tmp_path / f'tp{tp}'}"
+        args = (f"parallel.tp={tp}", f"train.micro_batch_size={batch}", "--nproc-per-node", "2")
+        ok(muonrun("pretrain", str(config), out, *args))
+    a, b = step_rows(tmp_path / "tp1"), step_rows(tmp_path / "tp2")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
     for s in a:
         for key in ("loss", "grad_norm"):
             assert a[s][key] == pytest.approx(b[s][key], rel=1e-3), (architecture, s, key, a[s], b[s])

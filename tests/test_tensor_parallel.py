@@ -22,9 +22,10 @@ def test_muon_on_tensor_parallel_shards_equals_torch_muon():
     """Column-wise and row-wise layers split over tp with FSDP2 over the data-parallel axes (tp 2 x dp 2,
     tp 4, tp 2 with HSDP; uneven splits, an empty shard): Muon and NorMuon step each rank's part as
     torch.optim.Muon (the paper's NorMuon) steps the whole matrix, each matrix orthogonalised once,
-    AdamW, clipping and telemetry equal torch's on the full tensors (tests/dist/tp_worker.py)."""
+    AdamW, clipping and telemetry equal torch's on the full tensors; a tiny Qwen3 split by muonrun's
+    parallelize has the unsplit model's gradients, q_norm/k_norm's summed over tp (tests/dist/tp_worker.py)."""
     out = run_workers(WORKER, 4, timeout=600)
-    assert "TP_WORKER_OK" in out, out
+    assert "TP_WORKER_OK" in out and "qwen3 at tp 2 x dp 2: gradients OK" in out, out
     for tag in ("tp 2 x dp 2", "tp 4", "tp 2 hsdp 2x1"):
         assert f"{tag}: 3 combinations, AdamW and clip OK" in out, out
 

@@ -20,7 +20,7 @@ from muonrun.config import ParallelConfig
 from muonrun.distributed import dp_mesh, tp_mesh
 from muonrun.model.build import decoder_layers
 from muonrun.model.expert_parallel import apply_expert_parallel
-from muonrun.model.tensor_parallel import apply_tensor_parallel, layer_plan
+from muonrun.model.tensor_parallel import PartialGrads, apply_tensor_parallel, layer_plan
 
 if TYPE_CHECKING:
     from muonrun.features.protocol import Feature
@@ -84,20 +84,22 @@ def parallelize(
     device_type: str,
     features: list[Feature] = (),
     expert_mesh: DeviceMesh | None = None,
-) -> nn.Module:
+) -> PartialGrads:
     """`mesh`: the run's whole mesh; the decoder layers are split over its "tp" axis where it has one
     (model/tensor_parallel.py), and FSDP2 shards over the others. `expert_mesh` (expert parallelism,
-    model/expert_parallel.py): the experts split over its "ep" axis, FSDP2 over the others."""
+    model/expert_parallel.py): the experts split over its "ep" axis, FSDP2 over the others. Returns the
+    gradients to sum over tp after each step's backward (`PartialGrads`; none without tp)."""
     layers = decoder_layers(model)
     for feature in features:
         feature.convert(model)
+    partial_grads = PartialGrads([], None)
     if tp_mesh(mesh) is not None:
         hf_config = next(m.config for m in model.modules() if hasattr(m, "config"))
-        apply_tensor_parallel(layers, tp_mesh(mesh), layer_plan(hf_config))
+        partial_grads = apply_tensor_parallel(layers, tp_mesh(mesh), layer_plan(hf_config))
     experts = []
     if expert_mesh is not None:
         experts = apply_expert_parallel(model, expert_mesh["ep"])
         expert_mesh = expert_mesh[tuple(n for n in expert_mesh.mesh_dim_names if n != "ep")]
     apply_compile_and_checkpointing(layers, p.activation_checkpointing, p.compile)
     apply_fsdp(model, layers, dp_mesh(mesh), p, device_type, experts, expert_mesh)
-    return model
+    return partial_grads

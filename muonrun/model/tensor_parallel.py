@@ -7,8 +7,10 @@ muonrun's `DEFAULT_TP_PLAN` (the same Llama layout) where transformers defines n
 layers keep whole heads per rank (so `tp` must divide the query and key-value heads) and hand their
 local outputs on; the row-wise layer after them sums the partial products with one all-reduce. The
 rest (embedding, norms, LM head and loss) runs on every tp rank on the same batch, FSDP-sharded over
-the data-parallel axes alone: its results are identical there, as are its gradients, so no further
-reduction is needed.
+the data-parallel axes alone: its results are identical there, as are its gradients. The exception
+is a module the plan marks `replicated_with_grad_allreduce` (Qwen3's per-head q_norm/k_norm): it
+runs inside the heads a rank computes, so each tp rank's gradient of its weight covers only those
+heads; `PartialGrads` sums them over tp once per step, before clipping.
 
 Muon steps the tensor-parallel matrices exactly as on one device: each matrix's blocks reach one owner
 over the tp and FSDP axes together (muonrun/optim/sharding.py).
@@ -18,9 +20,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from muonrun import compat
+from muonrun.distributed import local_tensor
 from muonrun.errors import UserError
 from muonrun.model.build import decoder_layers
 from muonrun.model.moe import is_moe
@@ -40,7 +46,10 @@ DEFAULT_TP_PLAN = {
     f"{LAYERS}mlp.down_proj": "rowwise",
 }
 """The Llama layout, for a family whose transformers config declares no `base_model_tp_plan`."""
-STYLES = ("colwise", "rowwise")
+GRAD_SUM = "replicated_with_grad_allreduce"
+"""transformers' style for a module whose weight is copied on every tp rank but used on its heads alone."""
+STYLES = ("colwise", "rowwise", GRAD_SUM)
+SPLIT = ("colwise", "rowwise")
 
 
 def layer_plan(hf_config) -> dict[str, str]:
@@ -78,12 +87,18 @@ def check_tensor_parallel(cfg: Config, model: nn.Module, features: list[Feature]
     plan = layer_plan(hf)
     odd = {k: s for k, s in plan.items() if s not in STYLES}
     layer = decoder_layers(model)[0]
-    missing = [k for k in plan if not isinstance(_submodule(layer, k), nn.Linear)]
-    if odd or missing or not plan:
+    missing = [
+        k
+        for k, style in plan.items()
+        if not isinstance(module := _submodule(layer, k), nn.Linear if style in SPLIT else nn.Module)
+        or not any(True for _ in module.parameters())
+    ]
+    if odd or missing or not any(style in SPLIT for style in plan.values()):
         raise UserError(
             f"Config key 'parallel.tp' is {tp}, but the tensor-parallel plan of {hf.model_type} ({plan or 'empty'}) "
-            f"has entries muonrun does not apply ({odd or missing}): it splits Linear layers column-wise "
-            "or row-wise. Set parallel.tp=1 for this model."
+            f"has entries muonrun does not apply ({odd or missing or 'nothing to split'}): it splits Linear "
+            f"layers column-wise or row-wise and sums the gradients of {GRAD_SUM} modules. Set parallel.tp=1 "
+            "for this model."
         )
 
 
@@ -110,8 +125,8 @@ def split_numel(model: nn.Module) -> int:
     return sum(
         p.numel()
         for layer in decoder_layers(model)
-        for path in plan
-        if (module := _submodule(layer, path)) is not None
+        for path, style in plan.items()
+        if style in SPLIT and (module := _submodule(layer, path)) is not None
         for p in module.parameters()
     )
 
@@ -126,11 +141,42 @@ def traffic_bytes_per_step(hf, cfg: Config, param_bytes: int) -> float:
     return 4 * hf.num_hidden_layers * per_reduce
 
 
-def apply_tensor_parallel(layers: list[nn.Module], tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
+def apply_tensor_parallel(layers: list[nn.Module], tp_mesh: DeviceMesh, plan: dict[str, str]) -> PartialGrads:
     """Split each decoder layer's projections over `tp_mesh` as `plan` says (`layer_plan`). Outputs stay
-    local tensors (the attention's view into heads and the MLP's product see their own part)."""
+    local tensors (the attention's view into heads and the MLP's product see their own part). Returns
+    the modules whose gradients the tp ranks hold in part (`GRAD_SUM`)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in layers:
-        parallelize_module(layer, tp_mesh, {path: styles[style]() for path, style in plan.items()})
+        split = {path: styles[style]() for path, style in plan.items() if style in SPLIT}
+        parallelize_module(layer, tp_mesh, split)
+    summed = [
+        layer.get_submodule(path) for layer in layers for path, style in plan.items() if style == GRAD_SUM
+    ]
+    return PartialGrads(summed, tp_mesh.get_group())
+
+
+class PartialGrads:
+    """Modules copied on every tp rank whose weights each rank uses on its own heads alone (`GRAD_SUM`):
+    `sum_()` adds their gradients up over the tp ranks, in one all-reduce, after the step's last
+    backward and before clipping (each rank then holds the whole gradient, as for the other copies).
+    Written here because torch's tensor-parallel API has no such style, and transformers' own one
+    all-reduces each parameter's gradient as it accumulates: a collective per norm, layer and
+    micro-batch, on parameters FSDP2 swaps between their sharded and unsharded forms."""
+
+    def __init__(self, modules: list[nn.Module], group) -> None:
+        self.modules = modules
+        self.group = group
+
+    def sum_(self) -> None:
+        if self.group is None:
+            return
+        grads = [local_tensor(p.grad) for m in self.modules for p in m.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        compat.foreach_copy_(
+            grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+        )

@@ -100,7 +100,8 @@ class Trainer:
             router_aux_loss_coef(cfg, self.hf_config),
             cfg.train.router_z_loss_coef,
         )
-        parallelize(
+        # gradients the tp ranks hold in part (Qwen3's q_norm/k_norm under parallel.tp), summed each step
+        self.partial_grads = parallelize(
             self.model, self.dist.mesh, cfg.parallel, device_type, self.features, self.dist.expert_mesh
         )
         self.model.to_empty(device=self.dist.device)
@@ -215,6 +216,7 @@ class Trainer:
                 loss.backward()
                 loss_sum += loss.detach()
         with phase("clip"):
+            self.partial_grads.sum_()
             clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
             grad_norm = clip_grad_norm(self.model.parameters(), clip)
         # One collective per step, agreed by every rank (muonrun/train/agreement.py): non-finite loss/grad

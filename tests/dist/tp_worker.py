@@ -10,7 +10,10 @@ as muonrun's trainer does, on three meshes: tp 2 x dp 2, tp 4, and tp 2 with HSD
 shard x tp 2). An unsharded copy is stepped by torch.optim.Muon (NorMuon: ``NorMuonReference``,
 written from the paper), and each rank compares its own part, without communication, within the
 bound the FSDP equivalence uses; muonrun's AdamW is compared with torch's the same way. Each matrix is orthogonalised once per job (``stats``), gradient
-clipping equals torch's on the full gradients, and telemetry equals the reference's. Global rank 0
+clipping equals torch's on the full gradients, and telemetry equals the reference's. A tiny Qwen3
+(per-head q_norm/k_norm, which transformers' plan replicates with partial gradients) split by
+muonrun's own ``parallelize`` on tp 2 x dp 2: after one backward of the same batch, and the sum of the
+partial gradients, every rank's part of every gradient equals the unsplit model's. Global rank 0
 prints ``TP_WORKER_OK`` at the end.
 """
 
@@ -150,8 +153,42 @@ def check_clip(tag: str, shape) -> None:
         torch.testing.assert_close(p.grad._local_tensor, part(r.grad, p), rtol=1e-5, atol=1e-7)
 
 
+def check_model_grads() -> None:
+    """muonrun's parallelize on a tiny Qwen3 at tp 2 x dp 2: the gradients of one backward equal the
+    unsplit model's on every rank's part, q_norm/k_norm's once their tp parts are summed."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from muonrun.config import load_config
+    from muonrun.model.causal_lm import CausalLMWithLoss
+    from muonrun.model.parallelize import parallelize
+
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = CausalLMWithLoss(Qwen3ForCausalLM(config), loss_chunk_tokens=0)
+    full = CausalLMWithLoss(Qwen3ForCausalLM(config), loss_chunk_tokens=0)
+    full.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    full(ids, ids).backward()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    partial = parallelize(model, mesh, load_config("tiny", ["parallel.compile=false"]).parallel, "cpu")
+    assert len(partial.modules) == 2 * 2, partial.modules  # q_norm and k_norm of each layer
+    model(ids, ids).backward()
+    partial.sum_()
+    expected = dict(full.named_parameters())
+    for name, p in model.named_parameters():
+        shape, offset = local_shape_and_offset(p.grad)
+        whole = expected[name].grad[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        torch.testing.assert_close(p.grad.to_local(), whole, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
+    check_model_grads()
+    if dist.get_rank() == 0:
+        print("qwen3 at tp 2 x dp 2: gradients OK", flush=True)
     for tag, shape in MESHES.items():
         combos = [
             ("muon", True, 0.1, None),
