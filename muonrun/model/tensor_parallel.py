@@ -5,9 +5,11 @@ The plan is the model's own: transformers' `base_model_tp_plan` for its family (
 q/k/v and gate/up column-wise, o and down row-wise), read for the entries inside the decoder layers;
 muonrun's `DEFAULT_TP_PLAN` (the same Llama layout) where transformers defines none. Column-wise
 layers keep whole heads per rank (so `tp` must divide the query and key-value heads) and hand their
-local outputs on; the row-wise layer after them sums the partial products with one all-reduce. The
-rest (embedding, norms, LM head and loss) runs on every tp rank on the same batch, FSDP-sharded over
-the data-parallel axes alone: its results are identical there, as are its gradients. The exception
+local outputs on; the row-wise layer after them sums the partial products. Between the blocks the
+sequence is split over tp (`apply_tensor_parallel`: sequence parallelism for the layer norms and the
+residual stream). The rest (embedding, final norm, LM head and loss) runs on every tp rank on the
+same batch, FSDP-sharded over the data-parallel axes alone: its results are identical there, as are
+its gradients. The exception
 is a module the plan marks `replicated_with_grad_allreduce` (Qwen3's per-head q_norm/k_norm): it
 runs inside the heads a rank computes, so each tp rank's gradient of its weight covers only those
 heads; `PartialGrads` sums them over tp once per step, before clipping.
@@ -22,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
@@ -132,9 +135,10 @@ def split_numel(model: nn.Module) -> int:
 
 
 def traffic_bytes_per_step(hf, cfg: Config, param_bytes: int) -> float:
-    """Bytes each tp rank sends per optimizer step for the layers' all-reduces: two in forward (after the
-    attention and the MLP's row-wise layers) and two in backward (the column-wise layers' input
-    gradients), of a micro-batch's hidden states each, as a ring all-reduce moves them."""
+    """Bytes each tp rank sends per optimizer step: per block (attention, MLP) of every layer and
+    micro-batch, an all-gather of its input and a reduce-scatter of its row-wise output in forward, the
+    same two in backward, of the hidden states each: in a ring, the bytes of one all-reduce per
+    collective pair."""
     tp = cfg.parallel.tp
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps
     per_reduce = tokens * hf.hidden_size * param_bytes * 2 * (tp - 1) / tp
@@ -142,19 +146,70 @@ def traffic_bytes_per_step(hf, cfg: Config, param_bytes: int) -> float:
 
 
 def apply_tensor_parallel(layers: list[nn.Module], tp_mesh: DeviceMesh, plan: dict[str, str]) -> PartialGrads:
-    """Split each decoder layer's projections over `tp_mesh` as `plan` says (`layer_plan`). Outputs stay
-    local tensors (the attention's view into heads and the MLP's product see their own part). Returns
-    the modules whose gradients the tp ranks hold in part (`GRAD_SUM`)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """Split each decoder layer's projections over `tp_mesh` as `plan` says (`layer_plan`), with sequence
+    parallelism between them. Returns the modules whose gradients the tp ranks hold in part (`GRAD_SUM`).
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    Between the blocks (the residual stream and the layer's own norms) each tp rank holds its share of
+    the sequence, a DTensor `Shard(1)`: the norms run on it (`SequenceParallel`), the input of each
+    block that ends in a row-wise layer (attention, MLP) is all-gathered once, and the row-wise layer's
+    partial sums are reduce-scattered back to the shares; the same bytes as one all-reduce, and the
+    activations between blocks 1/tp the size. Inside a block the column-wise outputs stay local tensors
+    (the attention's view into heads and the MLP's product see their own part). The first layer takes
+    its share of the (replicated) embeddings; the last one's output is all-gathered for the final norm,
+    LM head and loss, which run on every tp rank."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    seq, full = (Shard(1),), (Replicate(),)
+    blocks = {path.rpartition(".")[0] for path, style in plan.items() if style == "rowwise"}
     for layer in layers:
-        split = {path: styles[style]() for path, style in plan.items() if style in SPLIT}
-        parallelize_module(layer, tp_mesh, split)
+        split = {
+            path: ColwiseParallel()
+            if style == "colwise"
+            else RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+            for path, style in plan.items()
+            if style in SPLIT
+        }
+        norms = {name: SequenceParallel() for name, child in layer.named_children() if _is_norm(child)}
+        parallelize_module(layer, tp_mesh, {**split, **norms})
+        for block in blocks:
+            layer.get_submodule(block).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+    parallelize_module(
+        layers[0],
+        tp_mesh,
+        PrepareModuleInput(input_layouts=full, desired_input_layouts=seq, use_local_output=False),
+    )
+    layers[-1].register_forward_hook(_gather_output)
     summed = [
         layer.get_submodule(path) for layer in layers for path, style in plan.items() if style == GRAD_SUM
     ]
     return PartialGrads(summed, tp_mesh.get_group())
+
+
+def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block's sequence-split inputs (the hidden states, however the layer passes them) all-gathered,
+    as DTensors: the column-wise layers' input gradients then come back reduce-scattered."""
+
+    def whole(x):
+        return x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor) else x
+
+    return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+
+
+def _gather_output(module: nn.Module, args: tuple, out: DTensor) -> Tensor:
+    """The last layer's sequence shares all-gathered into a plain tensor for the final norm, LM head and
+    loss (a copy: FSDP2 hooks the output for backward, and a view would lose that hook to an in-place op)."""
+    return out.redistribute(placements=[Replicate()]).to_local().clone()
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A decoder layer's own normalisation (RMSNorm, LayerNorm): elementwise along the sequence."""
+    return type(module).__name__.endswith("Norm")
 
 
 class PartialGrads:

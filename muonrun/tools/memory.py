@@ -48,12 +48,16 @@ def activation_gib(hf, c, param_bytes: int, micro_batch: int | None = None) -> f
     q, kv = heads * head_dim, (getattr(hf, "num_key_value_heads", None) or heads) * head_dim
     if moe_inter := mlp_width(hf):  # MoE: each token's top-k experts and the shared expert, plus routing
         inter = moe_inter
-    tp = c.parallel.tp  # a tp rank keeps its heads' and its MLP columns' activations
-    q, kv, inter = q // tp, kv // tp, inter // tp
-    per_layer = param_bytes * (4 * h + 3 * q + 3 * kv + 4 * inter) + (16 * h if param_bytes == 2 else 0)
+    # A tp rank keeps its heads' and its MLP columns' activations, and between the blocks its share of
+    # the sequence (sequence parallelism: norms and layer inputs); the blocks' gathered inputs are whole.
+    tp = c.parallel.tp
+    q, kv, inter, shared = q // tp, kv // tp, inter // tp, h // tp
+    per_layer = param_bytes * (2 * h + 2 * shared + 3 * q + 3 * kv + 4 * inter) + (
+        16 * shared if param_bytes == 2 else 0
+    )
     kept = {"none": layers, "full": 0, "selective": layers // 2}[c.parallel.activation_checkpointing]
     layer_bytes = tokens * (
-        kept * per_layer + (layers - kept) * h * param_bytes + (per_layer if kept < layers else 0)
+        kept * per_layer + (layers - kept) * shared * param_bytes + (per_layer if kept < layers else 0)
     )
     chunk = min(c.train.loss_chunk_tokens or tokens, tokens)
     head_bytes = (

@@ -298,8 +298,9 @@ def tp_row(s: dict) -> list[tuple[str, str]]:
         (
             "tensor parallel",
             f"attention and MLP projections split over tp={s['mesh']['tp']} ranks of a node (the model's "
-            f"base_model_tp_plan); {gib(sent / 2**30)} sent per rank and optimizer step in 4 all-reduces per "
-            "layer and micro-batch; embedding, norms and LM head run on every tp rank",
+            f"base_model_tp_plan), the sequence split between them; {gib(sent / 2**30)} sent per rank and "
+            "optimizer step (an all-gather and a reduce-scatter per block, forward and backward, per layer and "
+            "micro-batch); embedding, final norm and LM head run on every tp rank",
         )
     ]
 

@@ -12,8 +12,9 @@ written from the paper), and each rank compares its own part, without communicat
 bound the FSDP equivalence uses; muonrun's AdamW is compared with torch's the same way. Each matrix is orthogonalised once per job (``stats``), gradient
 clipping equals torch's on the full gradients, and telemetry equals the reference's. A tiny Qwen3
 (per-head q_norm/k_norm, which transformers' plan replicates with partial gradients) split by
-muonrun's own ``parallelize`` on tp 2 x dp 2: after one backward of the same batch, and the sum of the
-partial gradients, every rank's part of every gradient equals the unsplit model's. Global rank 0
+muonrun's own ``parallelize`` on tp 2 x dp 2, with sequence parallelism between its blocks: after one
+backward of the same batch, and the sum of the partial gradients, every rank's part of every gradient
+equals the unsplit model's. Global rank 0
 prints ``TP_WORKER_OK`` at the end.
 """
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from muonrun.compat import local_shape_and_offset
@@ -135,7 +136,9 @@ def check_adamw(tag: str, shape) -> None:
     opt, ref_opt = AdamW(params, lr=LR, weight_decay=0.1), torch.optim.AdamW(ref, lr=LR, weight_decay=0.1)
     step_both(opt, params, ref_opt, ref, steps=3)
     for i, (p, q) in enumerate(zip(params, ref, strict=True)):
-        torch.testing.assert_close(p._local_tensor, part(q, p), rtol=1e-5, atol=1e-7, msg=f"{tag}: matrix {i}")
+        torch.testing.assert_close(
+            p._local_tensor, part(q, p), rtol=1e-5, atol=1e-7, msg=f"{tag}: matrix {i}"
+        )
 
 
 def check_clip(tag: str, shape) -> None:
@@ -154,8 +157,9 @@ def check_clip(tag: str, shape) -> None:
 
 
 def check_model_grads() -> None:
-    """muonrun's parallelize on a tiny Qwen3 at tp 2 x dp 2: the gradients of one backward equal the
-    unsplit model's on every rank's part, q_norm/k_norm's once their tp parts are summed."""
+    """muonrun's parallelize on a tiny Qwen3 at tp 2 x dp 2: the layers' norms run on half the sequence
+    (sequence parallelism), and the gradients of one backward equal the unsplit model's on every rank's
+    part, q_norm/k_norm's once their tp parts are summed."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from muonrun.config import load_config
@@ -175,7 +179,14 @@ def check_model_grads() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     partial = parallelize(model, mesh, load_config("tiny", ["parallel.compile=false"]).parallel, "cpu")
     assert len(partial.modules) == 2 * 2, partial.modules  # q_norm and k_norm of each layer
+    seen = []  # sequence parallelism: the norms between the blocks see the tp rank's share of the sequence
+    for layer in model.lm.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.register_forward_hook(
+                lambda m, args, out: seen.append((args[0].placements, out.to_local().shape))
+            )
     model(ids, ids).backward()
+    assert seen == [((Shard(1),), (2, 8, 32))] * 4, seen
     partial.sum_()
     expected = dict(full.named_parameters())
     for name, p in model.named_parameters():
