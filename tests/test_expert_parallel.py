@@ -23,10 +23,10 @@ def test_dispatch_and_muon_on_expert_parallel_experts_equal_the_unsplit_experts(
     """ep 2 x FSDP 2: each rank's outputs and input gradients equal the unsplit experts' on its own tokens,
     with uneven token splits and with a rank whose experts receive none; the experts' gradients are the
     mean over every rank, AdamW steps them as torch's does, and Muon each expert matrix as
-    torch.optim.Muon does
-    (tests/dist/ep_worker.py)."""
+    torch.optim.Muon does; a Llama4 MoE block (pre-sorted, input-scaled experts) dispatches its top-k
+    pairs with the unsplit block's outputs and gradients (tests/dist/ep_worker.py)."""
     out = run_workers(WORKER, 4, timeout=600)
-    assert "EP_WORKER_OK" in out, out
+    assert "EP_WORKER_OK" in out and "llama4 block at ep 2 x efsdp 2: dispatch and gradients OK" in out, out
     assert "uneven splits: dispatch, gradients, AdamW and Muon OK" in out, out
     assert "every token to one ep rank's experts: dispatch, gradients, AdamW and Muon OK" in out, out
 

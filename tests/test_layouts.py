@@ -1,6 +1,6 @@
 """The whole four-rank layout matrix of tensor and expert parallelism (gloo, CPU): the tiny preset at dp 4
 and at dp 2 x tp 2, tiny-moe at ep 1, 2 and 4, each with AdamW and with Muon, and each one's checkpoint
-resumed across layouts; GPT-OSS and Qwen3-MoE at ep 1 and 2; Qwen3 and Llama at tp 1 and 2. Their
+resumed across layouts; GPT-OSS, Qwen3-MoE and Llama4 at ep 1 and 2; Qwen3 and Llama at tp 1 and 2. Their
 launches take about six minutes on 2 cores, so the default run leaves them out and makes each claim with
 fewer launches
 (test_tensor_parallel.py, test_expert_parallel.py); run these with `python3 -m pytest -m layouts -n 2`."""
@@ -74,11 +74,18 @@ def test_tiny_moe_trains_the_same_at_ep_1_2_and_4_with_adamw_and_muon_and_resume
     [
         ("gpt_oss", "intermediate_size: 48, num_local_experts: 4, head_dim: 16"),  # [E, H, 2I], biases
         ("qwen3_moe", "intermediate_size: 96, moe_intermediate_size: 48, num_experts: 4"),
+        # experts on pre-sorted tokens, inputs scaled by the router; MoE on every other layer
+        (
+            "llama4_text",
+            "intermediate_size: 48, intermediate_size_mlp: 96, num_local_experts: 4, head_dim: 16, "
+            "interleave_moe_layer_step: 2",
+        ),  # fmt: skip
     ],
 )
 def test_other_moe_families_train_the_same_at_ep_1_and_2(tmp_path, architecture, experts):
-    """GPT-OSS (stacked experts stored [E, in, out], gate and up interleaved, expert biases) and Qwen3-MoE
-    on two ranks with Muon: ep 1 and ep 2 give the same losses and gradient norms."""
+    """GPT-OSS (stacked experts stored [E, in, out], gate and up interleaved, expert biases), Qwen3-MoE and
+    Llama4 (its own dispatch) on two ranks with Muon: ep 1 and ep 2 give the same losses and gradient
+    norms."""
     config = tmp_path / "moe.yaml"
     config.write_text(
         f"model: {{architecture: {architecture}, attn_implementation: eager, hf: {{vocab_size: 320, "

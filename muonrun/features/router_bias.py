@@ -35,7 +35,7 @@ from muonrun import log
 from muonrun.config import Config
 from muonrun.errors import UserError
 from muonrun.features.protocol import ExportJob, Feature
-from muonrun.model.moe import is_moe, is_router_module
+from muonrun.model.moe import backbone, is_moe, is_router_module
 
 BIAS = "muonrun_expert_bias"
 """The router buffer holding its per-expert selection bias ([E], fp32, persistent: checkpointed)."""
@@ -123,7 +123,7 @@ def attach(model: nn.Module) -> list[nn.Module]:
         router.register_buffer(COUNTS, torch.zeros(router.weight.shape[0], device=device), persistent=False)
         router.muonrun_counting = False
         router.register_forward_hook(biased_routing)
-    decoder = model.base_model
+    decoder = backbone(model)
 
     def counting(on: bool):
         def hook(module, *rest):

@@ -19,6 +19,7 @@ from muonrun.errors import UserError
 from muonrun.model.attention import use_mask_free_sdpa
 from muonrun.model.moe import (
     active_matmul_params,
+    backbone,
     is_moe,
     is_router_module,
 )
@@ -199,7 +200,7 @@ def check_model(
     with torch.device("meta"), meta_safe_experts(model):
         ids = torch.zeros(1, max(2, min(seq_len, 8)), dtype=torch.long)
         try:
-            model.base_model(input_ids=ids, use_cache=False)
+            backbone(model)(input_ids=ids, use_cache=False)
         except NotImplementedError:
             return model  # an op without a meta kernel: nothing to learn here
         except RuntimeError as e:

@@ -11,6 +11,7 @@ from torch import nn
 from muonrun.model.loss import linear_cross_entropy_sum, token_log_likelihoods
 from muonrun.model.moe import (
     RouterLogits,
+    backbone,
     expert_load,
     experts_per_token,
     is_moe,
@@ -64,14 +65,14 @@ class CausalLMWithLoss(nn.Module):
         # compiled decoder layer guard on its own cache slot, so each layer recompiles and all past
         # torch._dynamo's recompile limit (8) silently run eager.
         if self.router_aux_loss_coef is None or per_token:
-            hidden = self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            hidden = backbone(self.lm)(input_ids=input_ids, use_cache=False).last_hidden_state
             return self._lm_loss(hidden, labels, per_token)
         if self._router_logits is None:
-            out = self.lm.base_model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+            out = backbone(self.lm)(input_ids=input_ids, use_cache=False, output_router_logits=True)
             router_logits = out.router_logits
         else:
             self._router_logits.take()  # what a recompute in the last backward recorded
-            out = self.lm.base_model(input_ids=input_ids, use_cache=False)
+            out = backbone(self.lm)(input_ids=input_ids, use_cache=False)
             router_logits = self._router_logits.take()
         loss = self._lm_loss(out.last_hidden_state, labels)
         if not torch.is_grad_enabled():  # evaluation: the LM loss alone

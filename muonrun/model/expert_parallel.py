@@ -28,11 +28,12 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from types import MethodType
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from muonrun import compat
@@ -89,7 +90,14 @@ def check_expert_parallel(cfg: Config, model: nn.Module, dp_shard: int) -> None:
             f"Config key 'parallel.ep' is {ep}, which does not divide the {experts} experts of each layer "
             f"(model.hf): each ep rank holds the same number of whole experts. Choose an ep that divides {experts}."
         )
-    odd = sorted({type(m).__name__ for m in model.modules() if is_experts_module(m) and not _dispatchable(m)})
+    own = {id(m.experts) for m in model.modules() if type(m).__name__ in PRESORTED}
+    odd = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if is_experts_module(m) and not _dispatchable(m) and id(m) not in own
+        }
+    )
     if odd:
         raise UserError(
             f"Config key 'parallel.ep' is {ep}, but {', '.join(odd)} does not route through transformers' experts "
@@ -111,6 +119,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
     size, group = ep_mesh.size(), ep_mesh.get_group()
+    for block in [m for m in model.modules() if type(m).__name__ in PRESORTED]:
+        block.forward = MethodType(PRESORTED[type(block).__name__], block)
+        _as_grouped_experts(block.experts)
     experts = [m for m in model.modules() if is_experts_module(m)]
     inner = {id(m.config): m.config._experts_implementation or "eager" for m in experts}  # configs are shared
     for module in experts:
@@ -120,6 +131,36 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
         module.muonrun_ep = Dispatch(group, size, module.num_experts // size, inner[id(module.config)])
         module.config._experts_implementation = IMPLEMENTATION
     return experts
+
+
+def llama4_moe_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+    """`Llama4TextMoe.forward` under expert parallelism. Llama4 scales each expert's *input* by its router
+    score and runs every expert on every token (a token's other experts get a zero input, so a zero
+    output: its SwiGLU experts have no bias); here only each token's top-k pairs travel (`dispatch`),
+    each input times its score, and their outputs are summed: the same sum, dropless."""
+    hidden = hidden_states.reshape(-1, self.hidden_dim)
+    router_scores, router_logits = self.router(hidden)
+    top_index = torch.topk(router_logits, self.top_k, dim=1).indices  # the router's own choice
+    pairs = self.experts(hidden, top_index, router_scores.gather(1, top_index))  # `dispatch`
+    return self.shared_expert(hidden) + pairs.sum(dim=1).to(hidden.dtype), router_logits
+
+
+PRESORTED = {"Llama4TextMoe": llama4_moe_forward}
+"""MoE blocks whose experts take tokens already sorted per expert (not transformers' experts interface),
+and their forward under expert parallelism: the block dispatches, its experts run as `grouped_mm`."""
+
+
+def _as_grouped_experts(module: nn.Module) -> None:
+    """Let transformers' `grouped_mm` experts function run a stacked `[E, in, out]` experts module of
+    fused gate/up SwiGLU experts that transformers does not declare to its experts interface (Llama4's):
+    what `use_experts_implementation` would set, and the `grouped_mm` implementation to run it."""
+    from types import SimpleNamespace
+
+    module.has_gate, module.has_bias, module.has_post_expert_norm = True, False, False
+    module.is_transposed, module.is_concatenated, module._is_expert_parallel = True, True, False
+    module._apply_gate = _swiglu_gate(module.act_fn)
+    module.config = SimpleNamespace(_experts_implementation="grouped_mm")
+    module.forward = MethodType(dispatch, module)  # called as a module: FSDP2 gathers its weights first
 
 
 def plan_numbers(hf, cfg: Config, param_bytes: int) -> dict[str, float]:
@@ -137,7 +178,10 @@ def plan_numbers(hf, cfg: Config, param_bytes: int) -> dict[str, float]:
 
 
 def _is_moe_layer(hf, i: int) -> bool:
-    """Whether decoder layer i routes to experts (Qwen2-MoE's `mlp_only_layers`, `decoder_sparse_step`)."""
+    """Whether decoder layer i routes to experts (Llama4's `moe_layers`; Qwen2-MoE's `mlp_only_layers`,
+    `decoder_sparse_step`)."""
+    if getattr(hf, "moe_layers", None) is not None:
+        return i in hf.moe_layers
     step = getattr(hf, "decoder_sparse_step", 1) or 1
     return i not in (getattr(hf, "mlp_only_layers", None) or []) and (i + 1) % step == 0
 
@@ -161,6 +205,16 @@ def take_counts(model: nn.Module) -> dict[str, float]:
 
 def experts_forward(module: nn.Module, hidden_states, top_k_index, top_k_weights):
     """`muonrun_ep` in transformers' experts interface: dispatch, the local experts, combine."""
+    pairs = dispatch(module, hidden_states, top_k_index)
+    return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1).to(hidden_states.dtype)
+
+
+def dispatch(
+    module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, input_scale: Tensor | None = None
+) -> Tensor:
+    """Each token's top-k experts' outputs `[tokens, k, hidden]`: every (token, expert) pair sent to the
+    rank holding the expert (its input times `input_scale` `[tokens, k]` where given), the local experts
+    run through the wrapped implementation, the outputs sent back in the pairs' order."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     d: Dispatch = module.muonrun_ep
@@ -169,6 +223,8 @@ def experts_forward(module: nn.Module, hidden_states, top_k_index, top_k_weights
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)
     send_tokens = hidden_states[order // top_k]
+    if input_scale is not None:
+        send_tokens = send_tokens * input_scale.reshape(-1)[order].unsqueeze(-1).to(send_tokens.dtype)
     counts = torch.bincount(expert_ids, minlength=d.local_experts * d.size).view(d.size, d.local_experts)
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=d.group)
@@ -178,7 +234,7 @@ def experts_forward(module: nn.Module, hidden_states, top_k_index, top_k_weights
     local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1)).unsqueeze(-1)
     d.received.append(int(sum(recv_sizes)))
     d.seconds += time.perf_counter() - start
-    inner = ALL_EXPERTS_FUNCTIONS.get_interface(d.inner, type(module).forward.__wrapped__)
+    inner = ALL_EXPERTS_FUNCTIONS.get_interface(d.inner, getattr(type(module).forward, "__wrapped__", None))
     rows = recv_tokens
     if rows.shape[0] == 0:
         # Nothing came: one zero row keeps this rank's experts (FSDP reduces their gradients) and both
@@ -198,8 +254,7 @@ def experts_forward(module: nn.Module, hidden_states, top_k_index, top_k_weights
     d.seconds += time.perf_counter() - start
     pairs = torch.empty_like(back)
     pairs[order] = back
-    pairs = pairs.view(*top_k_weights.shape, pairs.shape[-1])
-    return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1).to(hidden_states.dtype)
+    return pairs.view(*top_k_index.shape, pairs.shape[-1])
 
 
 class AllToAll(torch.autograd.Function):
@@ -234,6 +289,14 @@ class ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
+
+
+def _swiglu_gate(act_fn):
+    def gate(gate_up: Tensor) -> Tensor:
+        g, up = gate_up.chunk(2, dim=-1)  # concatenated: [gate | up]
+        return act_fn(g) * up
+
+    return gate
 
 
 @contextlib.contextmanager

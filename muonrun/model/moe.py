@@ -13,6 +13,14 @@ import torch
 from torch import Tensor, nn
 
 
+def backbone(lm: nn.Module) -> nn.Module:
+    """The decoder stack under a causal LM's head: its `base_model`, or where the family's
+    `base_model_prefix` names no attribute of it (Llama4ForCausalLM's is "language_model", its stack
+    `model`) and `base_model` is the LM itself, its `model`."""
+    base = lm.base_model
+    return lm.model if base is lm and isinstance(getattr(lm, "model", None), nn.Module) else base
+
+
 def num_experts(hf_config) -> int:
     """Routed experts per MoE layer (0 for a dense model)."""
     return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0)
@@ -73,7 +81,7 @@ class RouterLogits:
     def attach(lm: nn.Module) -> RouterLogits | None:
         """Hooks on the modules whose output transformers records as `router_logits`; None when the
         model's `_can_record_outputs` names them another way (by class name) or not at all."""
-        spec = (getattr(type(lm.base_model), "_can_record_outputs", None) or {}).get("router_logits")
+        spec = (getattr(type(backbone(lm)), "_can_record_outputs", None) or {}).get("router_logits")
         if spec is None or isinstance(spec, list | str):
             return None
         if isinstance(spec, type):
@@ -89,7 +97,7 @@ class RouterLogits:
                 return None
         found = [
             m
-            for name, m in lm.base_model.named_modules()
+            for name, m in backbone(lm).named_modules()
             if isinstance(m, target) and (layer_name is None or f".{layer_name.strip('.')}." in f".{name}.")
         ]
         return RouterLogits(found, index) if found else None

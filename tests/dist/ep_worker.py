@@ -11,8 +11,10 @@ the gradients of its inputs and routing weights equal the unsplit module's, and 
 gradients, once FSDP2 has reduced them, equal the mean over the 4 ranks of the unsplit module's. Then
 Muon steps the split experts and torch.optim.Muon each expert matrix of the unsplit copy (with those
 mean gradients): the same matrices, within the bf16 bound of the FSDP equivalence; muonrun's AdamW
-steps each rank's rows as torch's AdamW steps the unsplit copy. Global rank 0
-prints ``EP_WORKER_OK``.
+steps each rank's rows as torch's AdamW steps the unsplit copy. A Llama4 MoE block (experts that take
+tokens pre-sorted and scale their inputs by the router's scores, run densely by transformers) split the
+same way dispatches its top-k pairs alone: output, input and router gradients equal the unsplit
+block's, the experts' reduced gradients the mean over the ranks. Global rank 0 prints ``EP_WORKER_OK``.
 """
 
 from __future__ import annotations
@@ -146,8 +148,49 @@ def check(skew: bool) -> None:
         assert moved > 0 and diff <= RTOL * moved + 1e-7, (n, rank, diff, moved)
 
 
+def check_llama4() -> None:
+    """A Llama4 MoE block under ep 2 x efsdp 2 against the unsplit block, on each rank's own tokens."""
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    config = Llama4TextConfig(
+        hidden_size=HIDDEN, intermediate_size=8, num_local_experts=EXPERTS // 2, num_experts_per_tok=TOP_K
+    )
+    torch.manual_seed(0)
+    block = Llama4TextMoe(config)
+    for p in block.parameters():
+        nn.init.normal_(p, std=0.2)
+    reference = copy.deepcopy(block)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    apply_expert_parallel(block, mesh["ep"])
+    fully_shard(block.experts, mesh=mesh["efsdp"])
+    h = torch.randn(3, 5, HIDDEN, generator=torch.Generator().manual_seed(20 + dist.get_rank()))
+    mine, theirs = h.clone().requires_grad_(), h.clone().requires_grad_()
+    out, logits = block(mine)
+    ref_out, ref_logits = reference(theirs)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, ref_logits)
+    (out.square().sum() + logits.sum()).backward()
+    (ref_out.square().sum() + ref_logits.sum()).backward()
+    torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+    ref_params = dict(reference.named_parameters())
+    for name, p in block.named_parameters():
+        want = ref_params[name].grad.clone()
+        if name.startswith("experts."):  # FSDP2 and the dispatch: the mean over every rank
+            dist.all_reduce(want)
+            want /= dist.get_world_size()
+            (rows, *_), (r0, *_) = local_shape_and_offset(p)
+            want, got = want[r0 : r0 + rows], p.grad._local_tensor
+        else:
+            got = p.grad
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
+    check_llama4()
+    if dist.get_rank() == 0:
+        print("llama4 block at ep 2 x efsdp 2: dispatch and gradients OK", flush=True)
     for skew in (False, True):
         check(skew)
         if dist.get_rank() == 0:
