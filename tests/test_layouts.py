@@ -21,7 +21,8 @@ COMMON = ("checkpoint.interval=4", "checkpoint.keep_last=4")
 
 def test_tiny_trains_the_same_at_dp4_and_dp2_tp2_with_adamw_and_muon_and_resumes_across_them(tmp_path):
     """Four ranks, the same global batch (dp 4 with one sequence each, dp 2 x tp 2 with two): the same
-    losses and gradient norms with AdamW and with Muon. The Muon run at dp 2 x tp 2 saves at step 4; that
+    losses and gradient norms with AdamW and with Muon, and with Muon at dp 2 x tp 2 with compiled layers
+    and full activation checkpointing. The Muon run at dp 2 x tp 2 saves at step 4; that
     checkpoint resumes at dp 2 x tp 2 bit for bit and at dp 4 (tp 1) through DCP's resharding."""
     layouts = {"dp4": ("train.micro_batch_size=1",), "tp2": ("train.micro_batch_size=2", "parallel.tp=2")}
     for opt in ("adamw", "muon"):
@@ -32,6 +33,11 @@ def test_tiny_trains_the_same_at_dp4_and_dp2_tp2_with_adamw_and_muon_and_resumes
         for s in range(1, STEPS + 1):
             norms = [step_rows(run)[s]["grad_norm"] for run in (a, b)]
             assert norms[0] == pytest.approx(norms[1], rel=1e-3), (opt, s)
+    # compiled layers and full activation checkpointing at dp 2 x tp 2 (sequence parallel DTensors inside)
+    compiled = tmp_path / "muon-tp2-compiled"
+    extra = ("parallel.compile=true", "parallel.activation_checkpointing=full")
+    ok(pretrain(compiled, "optimizer.name=muon", *COMMON, *layouts["tp2"], *extra, nproc=4))
+    close(losses(tmp_path / "muon-dp4"), losses(compiled), range(1, STEPS + 1))
     saved = tmp_path / "muon-tp2"
     for name, layout in layouts.items():
         run = tmp_path / f"resume-{name}"
