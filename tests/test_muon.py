@@ -375,7 +375,7 @@ def test_muon_balances_owners_on_the_flops_its_iteration_runs():
         opt = Muon(params, lr=LR, newton_schulz=ns)
         opt.step()
         costs = {(it.rows, it.cols): it.cost for part in opt.plan for b in part.buckets for it in b.items}
-        assert costs == {s: owner_flops([s], 1, ns.flops)["balanced"][0] for s in shapes}
+        assert costs == {s: owner_flops([s], 1, ns.flops)[0] for s in shapes}
         whole = {s: newton_schulz_flops(s, 5, True) for s in shapes}
         assert [costs[s] < whole[s] for s in shapes] == [False, symmetric, symmetric]
     with pytest.raises(ValueError, match="not both"):
@@ -706,6 +706,18 @@ def test_normuon_row_scale_is_normuon_normalize():
     torch.testing.assert_close(v_rows, v_new)
 
 
+def round_robin(shapes, world: int, flops) -> list[int]:
+    """Each shape's matrices dealt to the ranks in turn (grouped by shape in order of appearance, the
+    next shape starting where the last one stopped): what owner balancing is measured against."""
+    by_shape: dict[tuple, list] = {}
+    for shape in shapes:
+        by_shape.setdefault(tuple(shape), []).append(shape)
+    per_rank = [0] * world
+    for i, shape in enumerate(s for group in by_shape.values() for s in group):
+        per_rank[i % world] += flops(shape)
+    return per_rank
+
+
 def test_owners_balance_newton_schulz_flops_where_round_robin_cannot():
     from muonrun.optim.sharding import owner_flops
 
@@ -714,26 +726,20 @@ def test_owners_balance_newton_schulz_flops_where_round_robin_cannot():
     standard = NewtonSchulz().flops
     per_rank = owner_flops(shapes, 2, standard)
     # round-robin per shape: big, small, big on rank 0; greedy: the third big one's rank gets no small one
-    assert per_rank == {
-        "round_robin": [2 * big + small, big + 2 * small],
-        "balanced": [2 * big, big + 3 * small],
-    }
-    assert owner_flops(shapes, 1, standard) == {"round_robin": [3 * big + 3 * small]} | {
-        "balanced": [3 * big + 3 * small]
-    }
+    assert round_robin(shapes, 2, standard) == [2 * big + small, big + 2 * small]
+    assert per_rank == [2 * big, big + 3 * small]
+    assert owner_flops(shapes, 1, standard) == [3 * big + 3 * small]
     # a matrix is never split: with more ranks than matrices some ranks idle
-    assert sorted(owner_flops(shapes, 8, standard)["balanced"]) == [0, 0] + [small] * 3 + [big] * 3
-    assert owner_flops([(3, 5)], 1, NewtonSchulz(gram=True).flops)["balanced"][0] < newton_schulz_flops(
-        (3, 5)
-    )
+    assert sorted(owner_flops(shapes, 8, standard)) == [0, 0] + [small] * 3 + [big] * 3
+    assert owner_flops([(3, 5)], 1, NewtonSchulz(gram=True).flops)[0] < newton_schulz_flops((3, 5))
     # the same owners however the matrices are bucketed, when the split does not matter
-    assert owner_flops(shapes, 2, standard, bucket_numel=16)["balanced"] == per_rank["balanced"]
+    assert owner_flops(shapes, 2, standard, bucket_numel=16) == per_rank
     # Qwen2-1.5B's 196 matrices on 8 ranks: 84 MLP matrices do not divide by 8
     h, i, kv = 1536, 8960, 256
     qwen = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * 28
     per_rank = owner_flops(qwen, 8, standard)
-    average = sum(per_rank["balanced"]) / 8
-    assert max(per_rank["round_robin"]) > 1.04 * average and max(per_rank["balanced"]) < 1.001 * average
+    average = sum(per_rank) / 8
+    assert max(round_robin(qwen, 8, standard)) > 1.04 * average and max(per_rank) < 1.001 * average
 
 
 def test_a_study_passes_its_own_coefficients_and_per_group_ones_are_refused():

@@ -279,8 +279,8 @@ def assign_owners(buckets: Sequence[Sequence[Item]], world: int) -> None:
     Deterministic greedy (longest processing time first): the largest matrix first, onto the rank
     with the least work so far, then the least in the matrix's bucket, then the lowest rank. Equal
     matrices are thus dealt in turn within each bucket, and the smaller shapes fill in where a
-    shape's count does not divide by the world size, which dealing each shape round-robin cannot
-    (``owner_flops`` compares the two). The pipelined exchange lets a rank run ahead into the next
+    shape's count does not divide by the world size, which dealing each shape round-robin cannot. The
+    pipelined exchange lets a rank run ahead into the next
     bucket, so the whole step's balance is what counts first. Depends on shapes alone, so every rank
     computes the same owners.
     """
@@ -302,27 +302,21 @@ def owner_flops(
     world: int,
     flops: Callable[[Sequence[int]], int],
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-) -> dict[str, list[int]]:
-    """Newton–Schulz FLOPs per rank of one optimizer step for matrices of these shapes on a shard
-    group of ``world`` ranks, each costing ``flops(shape)`` (``NewtonSchulz.flops``): ``"balanced"``, as
-    Muon assigns owners (``assign_owners``), and ``"round_robin"``, each shape's matrices dealt to the
-    ranks in turn (the matrices grouped by shape in order of appearance, the next shape starting where
-    the last one stopped)."""
+) -> list[int]:
+    """Newton–Schulz FLOPs per rank of one optimizer step for matrices of these shapes on a shard group
+    of ``world`` ranks, each costing ``flops(shape)`` (``NewtonSchulz.flops``), owners assigned as Muon
+    assigns them (``assign_owners``)."""
     by_shape: dict[tuple, list[Item]] = {}
     for shape in shapes:
         rows, cols = int(shape[0]), int(shape[1])
         by_shape.setdefault((rows, cols), []).append(
             Item(None, 0, rows, cols, rows, rows, flops((rows, cols)))
         )
-    round_robin = [0] * world
-    for i, it in enumerate(it for items in by_shape.values() for it in items):
-        round_robin[i % world] += it.cost
     assign_owners(_pack(_pieces(by_shape, bucket_numel), bucket_numel), world)
-    balanced = [0] * world
-    for items in by_shape.values():
-        for it in items:
-            balanced[it.owner] += it.cost
-    return {"round_robin": round_robin, "balanced": balanced}
+    per_rank = [0] * world
+    for it in (it for items in by_shape.values() for it in items):
+        per_rank[it.owner] += it.cost
+    return per_rank
 
 
 def _pack(pieces: list[list[Item]], bucket_numel: int) -> list[list[Item]]:

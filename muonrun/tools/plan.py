@@ -311,16 +311,14 @@ def ns_row(s: dict) -> list[tuple[str, str]]:
         return []
     per_rank, model = s["ns_flops_per_rank_step"], s["model_flops_per_rank_step"]
     experts = s["expert_ns_flops_per_rank_step"]  # on the ranks that hold the experts, no choice of owner
-    per_rank = {k: [a + b for a, b in zip(v, experts, strict=True)] for k, v in per_rank.items()}
-    ns, rr = max(per_rank["balanced"]), max(per_rank["round_robin"])
-    average = sum(per_rank["balanced"]) / len(per_rank["balanced"])
+    per_rank = [a + b for a, b in zip(per_rank, experts, strict=True)]
+    ns, average = max(per_rank), sum(per_rank) / len(per_rank)
     return [
         (
             "Muon Newton–Schulz",
             f"{flop(ns)} per rank per optimizer step ({s['ns_iteration']}) = {share(ns / model)} of the model's "
-            f"{flop(model)} per rank and step (busiest rank: {flop(ns)}, {share(ns / average)} of the average, "
-            f"with owners balanced by cost; {flop(rr)}, {share(rr / average)}, with each shape dealt "
-            "round-robin): the arithmetic Muon adds; its momentum, exchange and update add more "
+            f"{flop(model)} per rank and step (the busiest rank, {share(ns / average)} of the average: owners "
+            "balanced by cost): the arithmetic Muon adds; its momentum, exchange and update add more "
             "(docs/performance.md sets both beside measured step times); more tokens per step "
             "(train.grad_accum_steps) or more ranks shrink it",
         )

@@ -286,7 +286,7 @@ def check_equivalence(mesh, tag: str, combos=ALL_COMBOS) -> None:
         per_rank = [0] * W
         for it in (it for part in opt.plan for b in part.buckets for it in b.items):
             per_rank[it.owner] += it.cost
-        expected = owner_flops(SHAPES, W, opt.newton_schulz.flops, bucket)["balanced"]
+        expected = owner_flops(SHAPES, W, opt.newton_schulz.flops, bucket)
         assert per_rank == expected, (what, per_rank)
         # state: one momentum buffer per matrix, a DTensor with the parameter's placements; NorMuon's
         # per-row second moment laid out like the rows, equal to the reference's on this rank's rows
