@@ -128,3 +128,23 @@ def test_the_dry_run_plans_tensor_parallelism_and_refuses_what_the_launch_refuse
         argv = ["pretrain", "tiny", "--dry-run", "--world-size", "12", "--nnodes", "3", *overrides]
         bad = CliRunner().invoke(app, argv)
         assert bad.exit_code == 2 and says in bad.output, bad.output
+
+
+def test_a_layer_part_that_would_see_a_share_of_the_sequence_is_refused():
+    """Sequence parallelism hands a layer's parts between the blocks the rank's share of the tokens: a
+    part with weights there that is neither a norm nor a block the plan splits (a convolution, a
+    recurrent mixer) is refused naming it, and the tiny preset's layers pass."""
+    from torch import nn
+
+    from muonrun.config import load_config
+    from muonrun.errors import UserError
+    from muonrun.model.build import check_model, decoder_layers
+    from muonrun.model.tensor_parallel import check_tensor_parallel
+
+    cfg = load_config("tiny", ["parallel.tp=2"])
+    model = check_model(cfg.model, 320)
+    check_tensor_parallel(cfg, model, [])
+    for layer in decoder_layers(model):
+        layer.mixer = nn.Conv1d(8, 8, 3)
+    with pytest.raises(UserError, match=r"parallel\.tp.*\['mixer'\]"):
+        check_tensor_parallel(cfg, model, [])

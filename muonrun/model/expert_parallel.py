@@ -28,7 +28,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from types import MethodType
+from types import MethodType, SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -154,8 +154,6 @@ def _as_grouped_experts(module: nn.Module) -> None:
     """Let transformers' `grouped_mm` experts function run a stacked `[E, in, out]` experts module of
     fused gate/up SwiGLU experts that transformers does not declare to its experts interface (Llama4's):
     what `use_experts_implementation` would set, and the `grouped_mm` implementation to run it."""
-    from types import SimpleNamespace
-
     module.has_gate, module.has_bias, module.has_post_expert_norm = True, False, False
     module.is_transposed, module.is_concatenated, module._is_expert_parallel = True, True, False
     module._apply_gate = _swiglu_gate(module.act_fn)

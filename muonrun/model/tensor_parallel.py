@@ -9,10 +9,9 @@ local outputs on; the row-wise layer after them sums the partial products. Betwe
 sequence is split over tp (`apply_tensor_parallel`: sequence parallelism for the layer norms and the
 residual stream). The rest (embedding, final norm, LM head and loss) runs on every tp rank on the
 same batch, FSDP-sharded over the data-parallel axes alone: its results are identical there, as are
-its gradients. The exception
-is a module the plan marks `replicated_with_grad_allreduce` (Qwen3's per-head q_norm/k_norm): it
-runs inside the heads a rank computes, so each tp rank's gradient of its weight covers only those
-heads; `PartialGrads` sums them over tp once per step, before clipping.
+its gradients. The exception is a module the plan marks `replicated_with_grad_allreduce` (Qwen3's
+per-head q_norm/k_norm): it runs inside the heads a rank computes, so each tp rank's gradient of its
+weight covers only those heads; `PartialGrads` sums them over tp once per step, before clipping.
 
 Muon steps the tensor-parallel matrices exactly as on one device: each matrix's blocks reach one owner
 over the tp and FSDP axes together (muonrun/optim/sharding.py).
@@ -103,6 +102,18 @@ def check_tensor_parallel(cfg: Config, model: nn.Module, features: list[Feature]
             f"layers column-wise or row-wise and sums the gradients of {GRAD_SUM} modules. Set parallel.tp=1 "
             "for this model."
         )
+    # sequence parallelism: every other part of a layer with weights sees the rank's share of the tokens
+    mixing = [
+        name
+        for name, child in layer.named_children()
+        if name not in _blocks(plan) and not _is_norm(child) and any(True for _ in child.parameters())
+    ]
+    if mixing:
+        raise UserError(
+            f"Config key 'parallel.tp' is {tp}, but the decoder layers of {hf.model_type} hold {mixing} beside the "
+            "blocks its tensor-parallel plan splits and their norms: muonrun splits the sequence between the "
+            "blocks, and those would see part of it. Set parallel.tp=1 for this model."
+        )
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
@@ -166,7 +177,7 @@ def apply_tensor_parallel(layers: list[nn.Module], tp_mesh: DeviceMesh, plan: di
     )
 
     seq, full = (Shard(1),), (Replicate(),)
-    blocks = {path.rpartition(".")[0] for path, style in plan.items() if style == "rowwise"}
+    blocks = _blocks(plan)
     for layer in layers:
         split = {
             path: ColwiseParallel()
@@ -189,6 +200,11 @@ def apply_tensor_parallel(layers: list[nn.Module], tp_mesh: DeviceMesh, plan: di
         layer.get_submodule(path) for layer in layers for path, style in plan.items() if style == GRAD_SUM
     ]
     return PartialGrads(summed, tp_mesh.get_group())
+
+
+def _blocks(plan: dict[str, str]) -> set[str]:
+    """The decoder layer's children that the plan splits (attention, MLP): each takes the whole sequence."""
+    return {path.split(".")[0] for path, style in plan.items() if style in SPLIT}
 
 
 def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
