@@ -28,7 +28,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from types import MethodType, SimpleNamespace
+from types import MethodType
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,7 +90,7 @@ def check_expert_parallel(cfg: Config, model: nn.Module, dp_shard: int) -> None:
             f"Config key 'parallel.ep' is {ep}, which does not divide the {experts} experts of each layer "
             f"(model.hf): each ep rank holds the same number of whole experts. Choose an ep that divides {experts}."
         )
-    own = {id(m.experts) for m in model.modules() if type(m).__name__ in PRESORTED}
+    own = {id(block.experts) for block in presorted_blocks(model)}
     odd = sorted(
         {
             type(m).__name__
@@ -119,18 +119,29 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
     size, group = ep_mesh.size(), ep_mesh.get_group()
-    for block in [m for m in model.modules() if type(m).__name__ in PRESORTED]:
+    own = set()
+    for block in presorted_blocks(model):
         block.forward = MethodType(PRESORTED[type(block).__name__], block)
         _as_grouped_experts(block.experts)
+        own.add(id(block.experts))
     experts = [m for m in model.modules() if is_experts_module(m)]
-    inner = {id(m.config): m.config._experts_implementation or "eager" for m in experts}  # configs are shared
+    # the implementation each model asked for (configs are shared: read before any is changed)
+    inner = {id(m.config): m.config._experts_implementation or "eager" for m in experts if id(m) not in own}
     for module in experts:
         for name, p in list(module.named_parameters(recurse=False)):
             placed = distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(placed, requires_grad=p.requires_grad))
-        module.muonrun_ep = Dispatch(group, size, module.num_experts // size, inner[id(module.config)])
-        module.config._experts_implementation = IMPLEMENTATION
+        if id(module) in own:  # its block dispatches; its own experts run as transformers' grouped_mm
+            module.muonrun_ep = Dispatch(group, size, module.num_experts // size, "grouped_mm")
+        else:
+            module.muonrun_ep = Dispatch(group, size, module.num_experts // size, inner[id(module.config)])
+            module.config._experts_implementation = IMPLEMENTATION
     return experts
+
+
+def presorted_blocks(model: nn.Module) -> list[nn.Module]:
+    """The MoE blocks whose experts take pre-sorted tokens and that dispatch themselves (`PRESORTED`)."""
+    return [m for m in model.modules() if type(m).__name__ in PRESORTED]
 
 
 def llama4_moe_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
@@ -153,11 +164,10 @@ and their forward under expert parallelism: the block dispatches, its experts ru
 def _as_grouped_experts(module: nn.Module) -> None:
     """Let transformers' `grouped_mm` experts function run a stacked `[E, in, out]` experts module of
     fused gate/up SwiGLU experts that transformers does not declare to its experts interface (Llama4's):
-    what `use_experts_implementation` would set, and the `grouped_mm` implementation to run it."""
+    what `use_experts_implementation` would set, and `dispatch` as its forward."""
     module.has_gate, module.has_bias, module.has_post_expert_norm = True, False, False
     module.is_transposed, module.is_concatenated, module._is_expert_parallel = True, True, False
     module._apply_gate = _swiglu_gate(module.act_fn)
-    module.config = SimpleNamespace(_experts_implementation="grouped_mm")
     module.forward = MethodType(dispatch, module)  # called as a module: FSDP2 gathers its weights first
 
 

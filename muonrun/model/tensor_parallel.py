@@ -103,10 +103,11 @@ def check_tensor_parallel(cfg: Config, model: nn.Module, features: list[Feature]
             "for this model."
         )
     # sequence parallelism: every other part of a layer with weights sees the rank's share of the tokens
+    blocks = _blocks(plan)
     mixing = [
         name
         for name, child in layer.named_children()
-        if name not in _blocks(plan) and not _is_norm(child) and any(True for _ in child.parameters())
+        if name not in blocks and not _is_norm(child) and any(True for _ in child.parameters())
     ]
     if mixing:
         raise UserError(
@@ -241,8 +242,6 @@ class PartialGrads:
         self.group = group
 
     def sum_(self) -> None:
-        if self.group is None:
-            return
         grads = [local_tensor(p.grad) for m in self.modules for p in m.parameters() if p.grad is not None]
         if not grads:
             return
