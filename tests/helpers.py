@@ -1,5 +1,6 @@
 """Helpers the test modules share (no test module imports another): `muonrun` CLI runs in a subprocess and
-what they leave (losses, checkpoints), a tiny Qwen2, and launching a script on N gloo processes."""
+what they leave (losses, checkpoints) and how two runs' losses are compared, a tiny Qwen2, and launching a script on
+N gloo processes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from torch import nn
@@ -208,3 +210,24 @@ def tiny_pretrained(folder: Path, seed: int = 1) -> Path:
     hf_kwargs = dict(load_config("tiny").model.hf)
     AutoModelForCausalLM.from_config(Qwen2Config(**hf_kwargs)).save_pretrained(folder)
     return folder
+
+
+def close(a: dict[int, list[float]], b: dict[int, list[float]], steps) -> None:
+    """The same losses up to fp32 rounding (the tp all-reduce sums in another order)."""
+    for s in steps:
+        assert a[s][-1] == pytest.approx(b[s][-1], rel=1e-3), (s, a[s], b[s])
+
+
+def same_training(a: Path, b: Path, steps) -> None:
+    """The same loss, load-balancing loss, gradient norm and expert load at every step, up to fp32
+    rounding (which may flip a near-tie in one token's routing: the busiest expert's load, a count, may
+    move by a token or two)."""
+    ra, rb = step_rows(a), step_rows(b)
+    for s in steps:
+        for key, rel in (
+            ("loss", 1e-3),
+            ("aux_loss", 1e-3),
+            ("grad_norm", 1e-3),
+            ("expert_load_max_mean", 0.02),
+        ):
+            assert ra[s][key] == pytest.approx(rb[s][key], rel=rel), (s, key, ra[s][key], rb[s][key])

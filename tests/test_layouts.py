@@ -10,9 +10,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from helpers import losses, muonrun, ok, pretrain, pretrain_args, step_rows
-from test_expert_parallel import same_training
-from test_tensor_parallel import close
+from helpers import close, losses, muonrun, ok, pretrain, pretrain_args, same_training, step_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.layouts]
 
