@@ -20,7 +20,7 @@ from muonrun.optim import (
     newton_schulz,
     newton_schulz_flops,
 )
-from muonrun.optim.newton_schulz import ns_iterations, per_step_coefficients
+from muonrun.optim.newton_schulz import normuon_row_scale, ns_iterations, per_step_coefficients
 from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
 
 torch_muon = pytest.importorskip("torch.optim._muon")
@@ -694,9 +694,19 @@ def test_newton_schulz_products_are_torchs_off_hopper():
     )
 
 
-def test_normuon_row_scale_is_normuon_normalize():
-    from muonrun.optim.newton_schulz import normuon_normalize, normuon_row_scale
+def normuon_normalize(X: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
+    """NorMuon as the paper writes it (the reference ``normuon_row_scale`` is held to): the update
+    ``U = Y sqrt(min(m, n)) / ||Y||_F`` with ``Y = X / (sqrt(v) + eps)`` row-wise, and the new ``v``; a
+    zero ``Y`` gives a zero update."""
+    X = X.float()
+    v = torch.lerp(v, X.square().mean(dim=-1), 1 - beta2)
+    hat = X / (v.sqrt() + eps).unsqueeze(-1)
+    m, n = X.shape[-2:]
+    norm = torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True)
+    return hat.mul_(torch.where(norm > 0, math.sqrt(min(m, n)) / norm.clamp(min=1e-30), 0.0)), v
 
+
+def test_normuon_row_scale_is_normuon_normalize():
     g = torch.Generator().manual_seed(21)
     X = newton_schulz(torch.randn(3, 12, 40, generator=g))
     v = torch.rand(3, 12, generator=g) * 1e-2
@@ -846,8 +856,6 @@ def test_normuon_leaves_a_matrix_with_zero_momentum_where_muon_does(gram):
     expert that got no tokens) has zero rows after Newton–Schulz: NorMuon's update of it is zero, as
     torch.optim.Muon's is, and only weight decay moves it; its row factors must not overflow to inf
     (inf times the zero rows was NaN from min(m, n) >= 12 on). The other matrix trains as usual."""
-    from muonrun.optim.newton_schulz import normuon_row_scale
-
     shapes = [(16, 64), (64, 16)]
     init = make_params(5, shapes)
     ours, ref = [p.clone() for p in init], [p.clone() for p in init]
@@ -870,18 +878,17 @@ def test_normuon_leaves_a_matrix_with_zero_momentum_where_muon_does(gram):
 def test_normuon_equalizes_rows_and_keeps_an_orthogonal_matrix_norm():
     """From zero second moments one step divides every row by its own RMS: all rows of the update
     have the same norm, and the whole has the Frobenius norm sqrt(min(m, n)) of an orthogonal one."""
-    from muonrun.optim.newton_schulz import normuon_normalize
-
     X = newton_schulz(
         torch.randn(2, 12, 40, generator=torch.Generator().manual_seed(13)), dtype=torch.float32
     )
     X[:, 0] *= 5  # one loud neuron
-    U, v = normuon_normalize(X, torch.zeros(2, 12), beta2=0.95, eps=1e-8)
+    f, v = normuon_row_scale(X, torch.zeros(2, 12), beta2=0.95, eps=1e-8)
+    U = f.unsqueeze(-1) * X
     rows = U.norm(dim=-1)
     torch.testing.assert_close(rows, rows[:, :1].expand_as(rows), rtol=1e-4, atol=0)
     torch.testing.assert_close(U.norm(dim=(-2, -1)), torch.full((2,), math.sqrt(12)))
     torch.testing.assert_close(v, 0.05 * X.square().mean(-1))
-    assert torch.count_nonzero(normuon_normalize(torch.zeros(1, 3, 4), torch.zeros(1, 3), 0.95, 1e-8)[0]) == 0
+    assert torch.count_nonzero(normuon_row_scale(torch.zeros(1, 3, 4), torch.zeros(1, 3), 0.95, 1e-8)[0]) == 0
 
 
 def test_telemetry_keys_and_values_on_one_device():

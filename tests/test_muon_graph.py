@@ -1,4 +1,4 @@
-"""Muon's step replayed from a CUDA graph (on GPUs, ``muonrun.optim.graphed``): the same
+"""Muon's step replayed from a CUDA graph (on GPUs, ``muonrun.optim.local``): the same
 arithmetic as the plain step while the learning rate changes every step, for dense matrices and
 stacked experts, Muon and NorMuon; a new graph when the matrices or the state change. The CPU runs the
 graph's path without capturing (the same buffers and scalars, eagerly); the GPU test captures."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from muonrun.optim import Muon
-from muonrun.optim.graphed import StepGraph
+from muonrun.optim.local import StepGraph
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

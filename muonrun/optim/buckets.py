@@ -1,20 +1,24 @@
 """One bucket of 2-D matrices through Muon's step, in three parts, wherever the bucket's rows live:
 ``prepare`` (momentum on this rank's rows, into the send buffer), ``orthogonalize`` (the owner's side:
 reassemble, normalise, Newton–Schulz, NorMuon's row factors, the rows back into the buffer) and
-``apply`` (weight decay and the scaled update on this rank's rows). Between them the exchange
-(``muonrun.optim.exchange``) moves the buffer to the owners and back; on a rank that holds its matrices
-whole (one GPU) the same buffer serves both sides (``muonrun.optim.local``).
+``apply`` (weight decay and the scaled update on this rank's rows).
+
+Between them ``step_exchanged`` moves the buffers to the owners and back, pipelined: ``prefetch``
+buckets' forward all-to-alls are in flight while one bucket is orthogonalised, and a bucket's results
+are applied while later ones are still on their way. On a rank that holds its matrices whole (one
+GPU) the same buffer serves both sides, without an exchange (``muonrun.optim.local``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
-from muonrun.optim.fused import frobenius_divisors, with_row_factors
-from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale, orthogonality_residual
+from muonrun.optim.fused import frobenius_divisors
+from muonrun.optim.newton_schulz import normuon_row_scale, orthogonality_residual
 from muonrun.optim.sharding import Bucket, Item, Owned, Partition, scatter_rows
 from muonrun.optim.step import MuonStep
 from muonrun.optim.telemetry import sum_of_squares
@@ -62,62 +66,55 @@ def orthogonalize_stack(step: MuonStep, part: Partition, own: Owned, grid: Tenso
     """The owner's work on one stack of same-shaped matrices (``grid``: the receive buffer as ``[world,
     per_source]``): normalise it (or fold the norm), Newton–Schulz, NorMuon's row factors, and on several
     ranks the parts back into ``grid``."""
-    W, ns = part.shard.world, step.newton_schulz
-    k, R, C, c = own.count, own.rows, own.cols, own.chunk
-    run = grid[:, own.offset : own.offset + k * own.slab].view(W, k, own.slab)
+    W, eps, it = part.shard.world, step.newton_schulz.eps, own.first
+    k, R, C, c = own.count, it.rows, it.cols, it.chunk
+    run = grid[:, own.offset : own.offset + k * it.slab].view(W, k, it.slab)
     if W == 1:  # the buffer is ours: normalised in place (or its norm folded), the result written back
-        X = run[0, :, : c * C].view(k, c, C)
-        folds = ns.folds_norm(X.shape)
-        if not folds:
-            step.passes.normalize(run[0], c, C, ns.eps)
-        out = ns(X, normalized=not folds, out=X)
-    elif own.blocks is None:  # rows: reassembled and normalised in one pass (padding rows are zero)
+        out = step.orthogonalize(run[0, :, : c * C].view(k, c, C), base=run[0])
+    elif it.blocks is None:  # rows: reassembled and normalised in one pass (padding rows are zero)
         slabs = run[..., : c * C].view(W, k, c, C)
         full = torch.empty(k, W * c, C, dtype=grid.dtype, device=grid.device)
-        norm = frobenius_divisors(slabs, (0, 2, 3), ns.eps).view(k, 1, 1, 1)
+        norm = frobenius_divisors(slabs, (0, 2, 3), eps).view(k, 1, 1, 1)
         torch.div(slabs.transpose(0, 1), norm, out=full.view(k, W, c, C))
-        X = full[:, :R]
-        out = ns(X)
+        out = step.orthogonalize(full[:, :R])
     else:  # rectangles (tensor parallelism): each source's part put in its place
         X = torch.empty(k, R, C, dtype=grid.dtype, device=grid.device)
-        for w, (r0, r1, c0, c1) in enumerate(own.blocks):
+        for w, (r0, r1, c0, c1) in enumerate(it.blocks):
             X[:, r0:r1, c0:c1] = run[w, :, : (r1 - r0) * (c1 - c0)].view(k, r1 - r0, c1 - c0)
-        X.div_(frobenius_divisors(X, (1, 2), ns.eps).view(k, 1, 1))
-        out = ns(X)
-    if own.first is step.sample:  # reported by its owner, summed with the others' zeros
+        X.div_(frobenius_divisors(X, (1, 2), eps).view(k, 1, 1))
+        out = step.orthogonalize(X)
+    if it is step.sample:  # reported by its owner, summed with the others' zeros
         step.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
     if part.normuon:
-        states = run[..., own.state_at : own.state_at + c * own.first.row_state]
+        states = run[..., it.state_at : it.state_at + c * it.row_state]
         states = states.view(torch.float32).view(W, k, 2, c)  # v, then the factor, of every row
-        v = rows_of(states[:, :, 0], own, R)
+        v = rows_of(states[:, :, 0], it)
         factor, v = normuon_row_scale(out, v, *part.normuon)
-        to_rows(states[:, :, 0], v, own)
-        to_rows(states[:, :, 1], factor, own)  # applied with the update (``apply``)
-    if own.blocks is not None:
-        for w, (r0, r1, c0, c1) in enumerate(own.blocks):
+        to_rows(states[:, :, 0], v, it)
+        to_rows(states[:, :, 1], factor, it)  # applied with the update (``apply``)
+    if it.blocks is not None:
+        for w, (r0, r1, c0, c1) in enumerate(it.blocks):
             run[w, :, : (r1 - r0) * (c1 - c0)].view(k, r1 - r0, c1 - c0).copy_(out[:, r0:r1, c0:c1])
     elif W > 1:
         scatter_rows(run[..., : c * C].view(W, k, c, C), out, c)
-    step.stats["orthogonalized"] += k
-    step.stats["gram"] += k * ns.uses_gram(X.shape)
 
 
-def rows_of(slabs: Tensor, own: Owned, R: int) -> Tensor:
-    """Per-row values ``[k, R]`` from each source's slab of them ``[W, k, chunk]``."""
-    if own.blocks is None:
-        return slabs.transpose(0, 1).reshape(slabs.shape[1], -1)[:, :R]
-    rows = slabs.new_empty(slabs.shape[1], R)
-    for w, (r0, r1, _, _) in enumerate(own.blocks):  # sources with the same rows hold the same values
+def rows_of(slabs: Tensor, it: Item) -> Tensor:
+    """Per-row values ``[k, rows]`` of matrices like ``it`` from each source's slab of them ``[W, k, chunk]``."""
+    if it.blocks is None:
+        return slabs.transpose(0, 1).reshape(slabs.shape[1], -1)[:, : it.rows]
+    rows = slabs.new_empty(slabs.shape[1], it.rows)
+    for w, (r0, r1, _, _) in enumerate(it.blocks):  # sources with the same rows hold the same values
         rows[:, r0:r1] = slabs[w, :, : r1 - r0]
     return rows
 
 
-def to_rows(slabs: Tensor, rows: Tensor, own: Owned) -> None:
+def to_rows(slabs: Tensor, rows: Tensor, it: Item) -> None:
     """``rows_of`` backwards: each source's rows of ``rows`` into its slab."""
-    if own.blocks is None:
-        scatter_rows(slabs, rows, own.chunk)
+    if it.blocks is None:
+        scatter_rows(slabs, rows, it.chunk)
         return
-    for w, (r0, r1, _, _) in enumerate(own.blocks):
+    for w, (r0, r1, _, _) in enumerate(it.blocks):
         slabs[w, :, : r1 - r0] = rows[:, r0:r1]
 
 
@@ -133,13 +130,9 @@ def apply(step: MuonStep, part: Partition, bucket: Bucket, result: Tensor) -> No
     if step.sums is not None:  # what the step changes, before it changes it
         deltas = []
         for gi, rows, cols, items in bucket.by_update:
-            s = step.groups[gi]
-            d = compat.foreach_mul([local_tensor(it.param) for it in items], -s.lr * s.weight_decay)
             us = [views[id(it)] for it in items]
-            if part.normuon:
-                us = with_row_factors(us, [factors[id(it)] for it in items])
-            compat.foreach_add_(d, us, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
-            deltas += d
+            fs = [factors[id(it)] for it in items] if part.normuon else None
+            deltas += step.changes(gi, (rows, cols), [local_tensor(it.param) for it in items], us, fs)
         step.add(part.shard.group, "update", sum_of_squares(deltas))
     params, updates, slots = [], [], []
     for gi, rows, cols, items in bucket.by_update:
@@ -153,3 +146,41 @@ def apply(step: MuonStep, part: Partition, bucket: Bucket, result: Tensor) -> No
     if part.normuon:
         vs = [local_tensor(step.second_moment(it.param)) for it in bucket.items]
         compat.foreach_copy_(vs, [it.state_view(result) for it in bucket.items])
+
+
+def step_exchanged(step: MuonStep, part: Partition, prefetch: int) -> None:
+    """All buckets of one partition whose shard group has several ranks: exchange, orthogonalise and
+    apply, pipelined ``prefetch`` buckets deep."""
+    pg = part.shard.group
+    buckets = part.buckets
+
+    def launch_forward(b: Bucket):
+        send = prepare(step, part, b)
+        recv = torch.empty(b.recv_numel, dtype=step.ns_dtype, device=part.device)
+        work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, group=pg, async_op=True)
+        step.stats["all_to_all"] += 1
+        return send, recv, work
+
+    inflight: dict[int, tuple] = {}
+    for j in range(min(prefetch, len(buckets))):
+        inflight[j] = launch_forward(buckets[j])
+    returning: list[tuple] = []
+    for j, b in enumerate(buckets):
+        send, recv, work = inflight.pop(j)
+        work.wait()
+        orthogonalize(step, part, b, recv)
+        # send buffer is free again (its forward exchange is complete): receive the results there
+        back = dist.all_to_all_single(send, recv, b.send_splits, b.recv_splits, group=pg, async_op=True)
+        step.stats["all_to_all"] += 1
+        returning.append((b, send, recv, back))  # recv stays alive until its results are back
+        nxt = j + prefetch
+        if nxt < len(buckets):
+            inflight[nxt] = launch_forward(buckets[nxt])
+        # apply what came back while later buckets are still in flight
+        while len(returning) > 1:
+            rb, rsend, _, rwork = returning.pop(0)
+            rwork.wait()
+            apply(step, part, rb, rsend)
+    for rb, rsend, _, rwork in returning:
+        rwork.wait()
+        apply(step, part, rb, rsend)

@@ -24,9 +24,8 @@ from torch import Tensor
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
-from muonrun.optim.fused import with_row_factors
 from muonrun.optim.groups import ExpertLayout
-from muonrun.optim.newton_schulz import adjust_lr, normuon_row_scale
+from muonrun.optim.newton_schulz import normuon_row_scale
 from muonrun.optim.step import GroupSettings, MuonStep
 from muonrun.optim.telemetry import reduce_group, sum_of_squares
 
@@ -120,16 +119,12 @@ def stacked_update(step: MuonStep, chunk: Chunk, X: Tensor) -> None:
     the scaled update, NorMuon's factors applied in it."""
     gi = chunk[0][0]
     s = step.groups[gi]
-    ns = step.newton_schulz
     params = [p for _, p in chunk]
     locals_ = [s.layout.matrices_of(local_tensor(p)) for p in params]  # [E', k, out, in] each
     shape = locals_[0].shape
     rows, cols = shape[-2:]
     updates = list(X.view(len(params), *shape).unbind(0))
-    folds = ns.folds_norm((rows, cols))
-    if not folds:
-        step.passes.normalize(X.view(X.shape[0], -1), rows, cols, ns.eps)
-    ns(X, normalized=not folds, out=X)
+    step.orthogonalize(X, base=X.view(X.shape[0], -1))
     row_factors = None
     if s.normuon:
         vs = [local_tensor(step.second_moment(p, s.layout)) for p in params]
@@ -137,12 +132,8 @@ def stacked_update(step: MuonStep, chunk: Chunk, X: Tensor) -> None:
         factor, v = normuon_row_scale(X, v, *s.normuon)
         compat.foreach_copy_([v.view(-1, rows) for v in vs], list(v.view(len(params), -1, rows).unbind(0)))
         row_factors = list(factor.view(len(params), *shape[:-1]).unbind(0))
-    step.stats["orthogonalized"] += X.shape[0]
-    step.stats["gram"] += X.shape[0] * ns.uses_gram((rows, cols))
     if step.sums is not None:  # what the step changes, before it changes it
-        deltas = compat.foreach_mul(locals_, -s.lr * s.weight_decay)
-        scaled = with_row_factors(updates, row_factors) if s.normuon else updates
-        compat.foreach_add_(deltas, scaled, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, (rows, cols)))
+        deltas = step.changes(gi, (rows, cols), locals_, updates, row_factors)
         step.add(reduce_group(params[0]), "update", sum_of_squares(deltas))
     slots = [step.scalars.slots[(gi, rows, cols)]] * len(params)
     key = ("experts", gi, s.layout, *shape, len(params))

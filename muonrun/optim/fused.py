@@ -16,6 +16,7 @@ fails) the same ops run eagerly, said once.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,7 +24,6 @@ from torch import Tensor
 
 from muonrun import compat, log
 from muonrun.compat import compile_error
-from muonrun.optim.ns_products import fresh_code
 
 
 def momentum_into(
@@ -87,30 +87,32 @@ def normalize_leading_(base: Tensor, rows: int, cols: int, eps: float) -> None:
     X.div_(frobenius_divisors(X, (-2, -1), eps).view(-1, 1, 1))
 
 
-class Passes:
-    """Muon's elementwise passes, compiled per bucket (``compiled=True``) or eager.
+def fresh_code(fn: Callable) -> Callable:
+    """A copy of ``fn`` with its own code object: dynamo keeps one cache per code object."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
-    ``key`` names one bucket's call (the same key must always come with the same tensor shapes): its
-    compiled function is built at the first call and reused after."""
+
+class Kernels:
+    """Functions compiled once per key (a fresh code object each, so no recompile limit to reach), or
+    run eagerly: where ``compiled`` is off, and after a compile fails (said once)."""
 
     def __init__(self, compiled: bool, backend: str | Callable = "inductor") -> None:
         self.compiled = compiled
         self.backend = backend
         self._fns: dict[tuple, Callable] = {}
 
-    def _call(self, key: tuple, fn: Callable, *args, strided: bool = False) -> None:
-        """``fn(*args)``, compiled once per ``key``. ``strided``: some of its tensors are strided views
-        (stacked experts stored ``[E, in, out]``), compiled without inductor's loop reordering
-        (``compat.no_loop_reordering`` says why)."""
+    def __call__(self, key: tuple, fn: Callable, *args, options: Callable[[], dict] | None = None):
+        """``fn(*args)``, compiled at the first call with ``key`` (the same key must always come with
+        the same tensor shapes), with the inductor options ``options()`` returns."""
         if not self.compiled:
             return fn(*args)
         compiled = self._fns.get(key)
         if compiled is None:
-            options = (
-                {"options": compat.no_loop_reordering()} if strided and self.backend == "inductor" else {}
-            )
+            extra = {"options": options()} if options and self.backend == "inductor" else {}
             compiled = torch.compile(
-                fresh_code(fn), backend=self.backend, fullgraph=True, dynamic=False, **options
+                fresh_code(fn), backend=self.backend, fullgraph=True, dynamic=False, **extra
             )
             self._fns[key] = compiled
         try:
@@ -118,24 +120,31 @@ class Passes:
         except compile_error() as e:  # compiling failed before anything ran
             log.once(
                 "compile-failed",
-                f"Muon's fused elementwise passes could not be compiled ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200]}); they run as eager foreach ops instead "
+                f"Muon's {fn.__name__} kernel could not be compiled ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}); Muon's small kernels run as eager ops instead "
                 "(optimizer.muon.eager=true silences this).",
                 warn=True,
             )
             self.compiled = False
             return fn(*args)
 
+
+class Passes(Kernels):
+    """Muon's elementwise passes, compiled per bucket (``compiled=True``) or eager. ``strided``: some
+    of a pass's tensors are strided views (stacked experts stored ``[E, in, out]``), compiled without
+    inductor's loop reordering (``compat.no_loop_reordering`` says why)."""
+
     def momentum(
         self, key: tuple, bufs, grads, dsts, momentum: float, nesterov: bool, strided: bool = False
     ) -> None:
-        self._call(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov, strided=strided)
+        options = compat.no_loop_reordering if strided else None
+        self(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov, options=options)
 
     def normalize(self, base: Tensor, rows: int, cols: int, eps: float) -> None:
         """``normalize_leading_`` on an owned stack (``base`` contiguous ``[k, slab]``; compiled once
         per layout, shared across buckets)."""
         key = (*_layout("normalize", base), rows, cols)
-        self._call(key, normalize_leading_, base, rows, cols, eps)
+        self(key, normalize_leading_, base, rows, cols, eps)
 
     def decay_and_update(
         self,
@@ -149,17 +158,10 @@ class Passes:
     ) -> None:
         """``decay_and_update`` on one bucket: ``scalars`` the step's ``step.UpdateScalars`` values
         (a device tensor where compiled: new values every step, nothing recompiled), ``slots`` each
-        parameter's two; ``row_factors``: NorMuon's, one tensor per update; ``strided`` as in ``_call``."""
-        self._call(
-            ("update", *key),
-            decay_and_update,
-            params,
-            updates,
-            scalars,
-            tuple(slots),
-            row_factors,
-            strided=strided,
-        )
+        parameter's two; ``row_factors``: NorMuon's, one tensor per update."""
+        options = compat.no_loop_reordering if strided else None
+        args = (params, updates, scalars, tuple(slots), row_factors)
+        self(("update", *key), decay_and_update, *args, options=options)
 
     @classmethod
     def choose(cls, eager: bool, device: torch.device | None, backend: str | Callable | None) -> Passes:

@@ -51,12 +51,11 @@ import torch
 from torch import Tensor
 
 from muonrun.distributed import local_tensor, to_device
-from muonrun.optim.exchange import step_exchanged
+from muonrun.optim.buckets import step_exchanged
 from muonrun.optim.experts import check_stacked, chunk_shape, create_state, expert_chunks
 from muonrun.optim.fused import Passes
-from muonrun.optim.graphed import STREAMS, StepGraph
 from muonrun.optim.groups import ExpertLayout
-from muonrun.optim.local import buffer_for, local_units, step_local
+from muonrun.optim.local import STREAMS, StepGraph, buffer_for, local_units, step_local
 from muonrun.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,

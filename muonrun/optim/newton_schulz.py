@@ -38,7 +38,6 @@ __all__ = [
     "gram_iterations",
     "newton_schulz",
     "newton_schulz_flops",
-    "normuon_normalize",
     "normuon_row_scale",
     "ns_dtype_for",
     "ns_iterations",
@@ -341,29 +340,17 @@ def _finish(X: Tensor, out: Tensor | None) -> Tensor:
     return out
 
 
-def normuon_normalize(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+def normuon_row_scale(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
     """NorMuon's step on Newton–Schulz results ``X`` ``[k, m, n]`` (the paper's O) and per-row second
-    moments ``v`` ``[k, m]`` (fp32): returns the update and the new ``v``, both fp32 and new tensors::
+    moments ``v`` ``[k, m]`` (fp32), as one factor ``f`` (fp32 ``[k, m]``) per row of ``X``, and the new ``v``::
 
         v_i = beta2 * v_i + (1 - beta2) * mean_j X_ij^2     # per row (output neuron)
         Y   = X / (sqrt(v) + eps)                           # row-wise (the paper's Ô)
-        U   = Y * sqrt(min(m, n)) / ||Y||_F                 # an orthogonal m x n matrix's norm
+        U   = Y * sqrt(min(m, n)) / ||Y||_F = f[..., None] * X
 
     ``U`` has the Frobenius norm of the orthogonal matrix Newton–Schulz approximates, so Muon's
     ``adjust_lr`` scales it as it scales ``X``; with ``match_rms_adamw`` (``0.2 sqrt(max(m, n))``)
     the step is the paper's ``0.2 * lr * sqrt(m n) / ||Y||_F * Y``.
-    """
-    X = X.float()
-    v = torch.lerp(v, X.square().mean(dim=-1), 1 - beta2)
-    hat = X / (v.sqrt() + eps).unsqueeze(-1)
-    m, n = X.shape[-2:]
-    norm = torch.linalg.vector_norm(hat, dim=(-2, -1), keepdim=True)
-    return hat.mul_(_orthogonal_norm_over(norm, m, n)), v
-
-
-def normuon_row_scale(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
-    """``normuon_normalize`` as one factor per row: returns ``f`` (fp32 ``[k, m]``) with
-    ``normuon_normalize(X, v, ...)[0] == f[..., None] * X`` up to fp32 rounding, and the new ``v``.
 
     It reads ``X`` once, for each row's sum of squares ``q_i`` (fp32 accumulation); the Frobenius norm
     of ``Y = X / (sqrt(v) + eps)`` follows from the rows alone, ``||Y||_F^2 = sum_i q_i / (sqrt(v_i) +

@@ -13,56 +13,19 @@ the symmetric results on quack's symmetric GEMM (Hopper GPUs with ``[quack]``: `
 from __future__ import annotations
 
 import copy
-import types
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from muonrun import compat, log
+from muonrun import compat
+from muonrun.optim.fused import Kernels
 
-__all__ = ["SYMMETRIC_MIN_SIZE", "TORCH_PRODUCTS", "Products", "fresh_code", "mm_fp32"]
+__all__ = ["SYMMETRIC_MIN_SIZE", "TORCH_PRODUCTS", "Products", "mm_fp32"]
 
 SYMMETRIC_MIN_SIZE = 512
 """The smaller side of a matrix from which quack's symmetric products (``ns_quack``) run; below it
 (a Gram matrix of one or two tile rows) torch's are faster on an H200 (docs/performance.md)."""
-
-
-def fresh_code(fn: Callable) -> Callable:
-    """A copy of ``fn`` with its own code object: dynamo keeps one cache per code object."""
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-
-
-class PerShape:
-    """``fn`` compiled for CUDA tensors, one kernel per shape and dtype (each its own code object, so no
-    recompile limit to reach); eager elsewhere, where ``compiled`` is off, or, with one warning, where
-    compiling fails."""
-
-    def __init__(self, fn: Callable, options: Callable[[], dict] | None = None) -> None:
-        self.fn, self.options = fn, options
-        self._compiled: dict[tuple, Callable] = {}
-        self._failed = False
-
-    def __call__(self, T: Tensor, other, compiled: bool = True):
-        if not (compiled and T.is_cuda) or self._failed:
-            return self.fn(T, other)
-        key = (tuple(T.shape), T.stride(), T.dtype, getattr(other, "shape", other))
-        if key not in self._compiled:
-            options = {"options": self.options()} if self.options else {}
-            self._compiled[key] = torch.compile(fresh_code(self.fn), fullgraph=True, dynamic=False, **options)
-        try:
-            return self._compiled[key](T, other)
-        except compat.compile_error() as e:  # compiling failed before anything ran
-            log.once(
-                f"compile-failed-{self.fn.__name__}",
-                f"Newton–Schulz's {self.fn.__name__} kernel could not be compiled ({type(e).__name__}); it "
-                "runs as eager ops instead",
-                warn=True,
-            )
-            self._failed = True
-            return self.fn(T, other)
 
 
 def _scale(T: Tensor, f: Tensor) -> None:
@@ -82,12 +45,16 @@ def _split_sum(S: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return hi, (T - hi.to(T.dtype)).to(dtype)
 
 
-# Each cast rounds as it does eagerly (compat.precise_casts): the low half is that rounding's error.
-_SCALE, _SPLIT, _SPLIT_SUM = (
-    PerShape(_scale),
-    PerShape(_split, compat.precise_casts),
-    PerShape(_split_sum, compat.precise_casts),
-)
+_KERNELS = Kernels(compiled=True)
+"""The iteration's small elementwise kernels, compiled per shape and dtype for CUDA tensors."""
+
+
+def _kernel(fn: Callable, T: Tensor, other, compiled: bool, options: Callable[[], dict] | None = None):
+    """``fn(T, other)``: compiled (``_KERNELS``) for CUDA tensors where ``compiled``, else eager."""
+    if not (compiled and T.is_cuda):
+        return fn(T, other)
+    key = (fn.__name__, tuple(T.shape), T.stride(), T.dtype, getattr(other, "shape", other))
+    return _KERNELS(key, fn, T, other, options=options)
 
 
 def mm_fp32(A: Tensor, B: Tensor) -> Tensor:
@@ -167,17 +134,17 @@ class Products:
 
     def scale(self, T: Tensor, f: Tensor) -> None:
         """``T *= f`` in place, in fp32 math rounded once: a folded norm applied to a small product."""
-        _SCALE(T, f, self.compiled)
+        _kernel(_scale, T, f, self.compiled)
 
     def split(self, T: Tensor, dtype: torch.dtype) -> Tensor:
         """``T`` (fp32 ``[k, m, m]``) as ``[hi | lo]`` ``[k, m, 2m]`` in ``dtype``: ``hi`` is ``T``
         rounded, ``lo`` the rounding error rounded again; together about 16 of fp32's 24 mantissa bits
         for bf16 (``T`` itself for ``T``'s own dtype, with ``lo`` zero)."""
-        return _SPLIT(T, dtype, self.compiled)
+        return _kernel(_split, T, dtype, self.compiled, compat.precise_casts)  # casts round as eagerly
 
     def split_sum(self, S: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``A + B`` for ``S = [A | B]`` (fp32 ``[k, m, 2m]``), as ``hi`` and ``lo`` (``split``)."""
-        return _SPLIT_SUM(S, dtype, self.compiled)
+        return _kernel(_split_sum, S, dtype, self.compiled, compat.precise_casts)
 
 
 TORCH_PRODUCTS = Products()

@@ -141,17 +141,13 @@ class Item:
 
 @dataclass
 class Owned:
-    """Matrices of one shape that this rank owns in a bucket (one batched Newton–Schulz)."""
+    """Matrices of one shape, split the same way, that this rank owns in a bucket (one batched
+    Newton–Schulz): ``count`` of them like ``first`` (the one telemetry samples), from ``offset`` in
+    each source's segment of the owner buffer."""
 
-    rows: int
-    cols: int
-    chunk: int
+    first: Item
     count: int
-    offset: int  # element offset inside each source's segment of the owner buffer
-    slab: int  # elements per matrix and source (Item.slab)
-    state_at: int  # Item.state_at
-    first: Item  # the first of these matrices (the one telemetry samples)
-    blocks: tuple[Block, ...] | None = None  # Item.blocks, the same for all of them
+    offset: int
 
 
 @dataclass
@@ -197,7 +193,7 @@ def build_plan(entries: Sequence[Entry], bucket_numel: int = DEFAULT_BUCKET_NUME
     shard group must call it with the same matrices: ``verify_plan`` all-reduces once to check."""
     plan = []
     for part, by_shape in _collect(entries):
-        buckets = _pack(_pieces(by_shape, bucket_numel), bucket_numel)
+        buckets = _pack(by_shape, bucket_numel)
         assign_owners(buckets, part.shard.world)
         verify_plan(part, buckets)
         if not part.shard.rows_only:
@@ -264,15 +260,6 @@ def _gather_blocks(part: Partition, items: list[Item]) -> None:
         it.chunk = max(r1 - r0 for r0, r1, _, _ in it.blocks)
 
 
-def _pieces(by_shape: dict[tuple[int, int], list[Item]], bucket_numel: int) -> list[list[Item]]:
-    """Each shape's matrices, in runs that fit a bucket (at least one matrix each)."""
-    pieces = []
-    for (rows, cols, *_), items in by_shape.items():
-        per_piece = max(1, bucket_numel // max(rows * cols, 1))
-        pieces.extend(items[s : s + per_piece] for s in range(0, len(items), per_piece))
-    return pieces
-
-
 def assign_owners(buckets: Sequence[Sequence[Item]], world: int) -> None:
     """Give every matrix an owner so that Newton–Schulz FLOPs (``Item.cost``) are balanced per rank.
 
@@ -312,32 +299,32 @@ def owner_flops(
         by_shape.setdefault((rows, cols), []).append(
             Item(None, 0, rows, cols, rows, rows, flops((rows, cols)))
         )
-    assign_owners(_pack(_pieces(by_shape, bucket_numel), bucket_numel), world)
+    assign_owners(_pack(by_shape, bucket_numel), world)
     per_rank = [0] * world
     for it in (it for items in by_shape.values() for it in items):
         per_rank[it.owner] += it.cost
     return per_rank
 
 
-def _pack(pieces: list[list[Item]], bucket_numel: int) -> list[list[Item]]:
-    """Fill buckets with whole pieces in order, opening a new one when the next piece would overflow.
+def _pack(by_shape: dict[tuple, list[Item]], bucket_numel: int) -> list[list[Item]]:
+    """Each shape's matrices in runs that fit a bucket (one matrix at least), the runs in order into
+    buckets, a new one opened where the next run would overflow it.
 
     Bigger buckets mean fewer, larger collectives and batched matmuls; the bound caps the transient
     memory (send and receive buffers, the owner's reassembled matrices) of a bucket.
     """
-    buckets: list[list[Item]] = []
-    current: list[Item] = []
+    buckets: list[list[Item]] = [[]]
     numel = 0
-    for piece in pieces:
-        piece_numel = piece[0].rows * piece[0].cols * len(piece)
-        if current and numel + piece_numel > bucket_numel:
-            buckets.append(current)
-            current, numel = [], 0
-        current.extend(piece)
-        numel += piece_numel
-    if current:
-        buckets.append(current)
-    return buckets
+    for (rows, cols, *_), items in by_shape.items():
+        per_run = max(1, bucket_numel // max(rows * cols, 1))
+        for start in range(0, len(items), per_run):
+            run = items[start : start + per_run]
+            if buckets[-1] and numel + rows * cols * len(run) > bucket_numel:
+                buckets.append([])
+                numel = 0
+            buckets[-1].extend(run)
+            numel += rows * cols * len(run)
+    return [b for b in buckets if b]
 
 
 def _lay_out(items: list[Item], shard: ShardInfo) -> Bucket:
@@ -392,7 +379,7 @@ def _owned(items: list[Item], me: int) -> list[Owned]:
         if owned and _stack_key(owned[-1].first) == _stack_key(it):
             owned[-1].count += 1
         else:
-            owned.append(Owned(it.rows, it.cols, it.chunk, 1, offset, it.slab, it.state_at, it, it.blocks))
+            owned.append(Owned(it, 1, offset))
         offset += it.slab
     return owned
 
@@ -426,13 +413,8 @@ def verify_plan(part: Partition, buckets: Sequence[Sequence[Item]]) -> None:
     """
     if part.shard.group is None:
         return
-    sig = [len(buckets)]
-    for items in buckets:
-        sig.append(len(items))
-        sig.append(sum((it.rows * 1_000_003 + it.cols) * (it.owner + 1) for it in items) % (1 << 30))
-    h = 0
-    for x in sig:
-        h = (h * 1_000_000_007 + x) % (1 << 61)
+    # Python hashes ints and tuples of them the same in every process (PYTHONHASHSEED is for strings)
+    h = hash(tuple(tuple((it.rows, it.cols, it.owner) for it in items) for items in buckets)) % (1 << 62)
     t = torch.tensor([h, -h], dtype=torch.int64, device=part.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=part.shard.group)
     if int(t[0]) != h or int(t[1]) != -h:

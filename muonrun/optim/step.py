@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from muonrun import compat
 from muonrun.distributed import local_tensor
-from muonrun.optim.fused import Passes
+from muonrun.optim.fused import Passes, with_row_factors
 from muonrun.optim.groups import ExpertLayout
 from muonrun.optim.newton_schulz import ADJUST_LR_FNS, NewtonSchulz, adjust_lr
 from muonrun.optim.telemetry import Sums
@@ -149,10 +150,38 @@ class MuonStep:
             state["second_moment"] = rows_like(p, layout)
         return state["second_moment"]
 
+    def orthogonalize(self, X: Tensor, base: Tensor | None = None) -> Tensor:
+        """Newton–Schulz on the normalised stack ``X`` ``[k, rows, cols]`` into a new tensor, counted in
+        ``stats``. With ``base``, ``X`` is not normalised and is held in place as the leading elements of
+        each row of that contiguous ``[k, slab]`` tensor, and the result overwrites it: the norm is folded
+        into the first product where the Gram form applies (``NewtonSchulz.folds_norm``), else divided
+        in a pass over ``base``."""
+        ns = self.newton_schulz
+        if base is None:
+            out = ns(X)
+        else:
+            folds = ns.folds_norm(X.shape)
+            if not folds:
+                self.passes.normalize(base, X.shape[1], X.shape[2], ns.eps)
+            out = ns(X, normalized=not folds, out=X)
+        self.stats["orthogonalized"] += X.shape[0]
+        self.stats["gram"] += X.shape[0] * ns.uses_gram(X.shape)
+        return out
+
     def add(self, group, name: str, value: Tensor | None) -> None:
         """A telemetry term, partial over ``group`` (none: this step does not collect)."""
         if self.sums is not None:
             self.sums.add(group, name, value)
+
+    def changes(self, gi: int, shape, params: list, updates: list, row_factors: list | None) -> list[Tensor]:
+        """What decay and the update (of matrices of ``shape`` in group ``gi``) will change in ``params``,
+        before they do: telemetry's ``update``."""
+        s = self.groups[gi]
+        deltas = compat.foreach_mul(params, -s.lr * s.weight_decay)
+        if row_factors is not None:
+            updates = with_row_factors(updates, row_factors)
+        compat.foreach_add_(deltas, updates, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, shape))
+        return deltas
 
 
 def rows_like(p: Tensor, layout: ExpertLayout | None = None) -> Tensor:
