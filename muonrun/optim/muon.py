@@ -35,9 +35,9 @@ How a step runs
 ---------------
 ``Muon.step`` builds a ``step.MuonStep`` (this step's settings, the state it updates, its counters)
 and hands it to the paths: matrices sharded over several ranks go to their owner rank and back
-(``sharding`` plans, ``exchange`` runs, ``buckets`` does each bucket's work); a rank's own matrices
-(one GPU; stacked experts, ``experts``) step in ``local``, replayed from a CUDA graph on GPUs
-(``graphed``); the elementwise passes compile on GPUs (``fused``). ``eager=True`` launches the GPU
+(``sharding`` plans, ``buckets`` runs each bucket and the exchange); a rank's own matrices (one GPU;
+stacked experts, ``experts``) step in ``local``, replayed from a CUDA graph on GPUs; the elementwise
+passes compile on GPUs (``fused``). ``eager=True`` launches the GPU
 step kernel by kernel, for debugging. State: one ``momentum_buffer`` per matrix laid out like the
 parameter (NorMuon: a fp32 ``second_moment`` per row), on every rank, so DCP saves and reshards it.
 """
@@ -119,7 +119,7 @@ class Muon(torch.optim.Optimizer):
     eagerly there, through the graph's buffers and scalar tensor); False never."""
 
     graph_streams = STREAMS
-    """Tests: the CUDA streams a graph runs its stacks on (``graphed.STREAMS``)."""
+    """Tests: the CUDA streams a graph runs its stacks on (``local.STREAMS``)."""
 
     def __init__(
         self,
