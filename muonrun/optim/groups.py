@@ -181,11 +181,6 @@ class ParamSplit:
     def numel(self) -> dict[str, int]:
         return {g: sum(p.numel() for _, p in getattr(self, g)) for g in self.GROUPS}
 
-    def summary(self) -> str:
-        counts = self.numel()
-        parts = [f"{g} {len(getattr(self, g))} tensors / {counts[g]:,} params" for g in self.GROUPS]
-        return "; ".join(parts) + ("; lm_head tied to embedding" if self.tied_lm_head else "")
-
 
 def _matches(name: str, patterns: Sequence[str] | None) -> bool:
     return bool(patterns) and any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
