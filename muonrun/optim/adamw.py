@@ -62,12 +62,7 @@ class AdamW(compat.AdamWWithGroupLists):
             sums.add(group, "update", sum_of_squares(compat.foreach_sub(now, [before[i] for i in idx])))
             exp_avg = [local_tensor(self.state[stepped[i]]["exp_avg"]) for i in idx]
             sums.add(group, "momentum", sum_of_squares(exp_avg))
-        total = sums.total()
-        numel = sum(p.numel() for p in stepped)
-        self.telemetry = {
-            "update_rms": (total["update"] / numel).sqrt(),
-            "momentum_norm": total["momentum"].sqrt(),
-        }
+        self.telemetry = sums.telemetry(sum(p.numel() for p in stepped))
         return loss
 
     def group_lists(self, group: dict, lists) -> None:

@@ -19,7 +19,7 @@ from muonrun import compat
 from muonrun.distributed import local_tensor
 from muonrun.optim.fused import frobenius_divisors
 from muonrun.optim.newton_schulz import normuon_row_scale, orthogonality_residual
-from muonrun.optim.sharding import Bucket, Item, Owned, Partition, scatter_rows
+from muonrun.optim.sharding import ROW_VALUES, Bucket, Item, Owned, Partition, scatter_rows
 from muonrun.optim.step import MuonStep
 from muonrun.optim.telemetry import sum_of_squares
 
@@ -41,7 +41,7 @@ def prepare(step: MuonStep, part: Partition, bucket: Bucket, send: Tensor | None
             dsts.append(local_view(send, it))
         step.passes.momentum((id(bucket), gi), bufs, grads, dsts, s.momentum, s.nesterov)
         if step.sums is not None:
-            step.add(part.shard.group, "momentum", sum_of_squares(bufs))
+            step.sums.add(part.shard.group, "momentum", sum_of_squares(bufs))
     if part.normuon:
         vs = [local_tensor(step.second_moment(it.param)) for it in bucket.items]
         compat.foreach_copy_([it.state_view(send) for it in bucket.items], vs)
@@ -84,10 +84,10 @@ def orthogonalize_stack(step: MuonStep, part: Partition, own: Owned, grid: Tenso
         X.div_(frobenius_divisors(X, (1, 2), eps).view(k, 1, 1))
         out = step.orthogonalize(X)
     if it is step.sample:  # reported by its owner, summed with the others' zeros
-        step.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
+        step.sums.add(part.shard.group, "ortho_residual", orthogonality_residual(out[0]))
     if part.normuon:
         states = run[..., it.state_at : it.state_at + c * it.row_state]
-        states = states.view(torch.float32).view(W, k, 2, c)  # v, then the factor, of every row
+        states = states.view(torch.float32).view(W, k, ROW_VALUES, c)  # v, then the factor, of every row
         v = rows_of(states[:, :, 0], it)
         factor, v = normuon_row_scale(out, v, *part.normuon)
         to_rows(states[:, :, 0], v, it)
@@ -133,7 +133,7 @@ def apply(step: MuonStep, part: Partition, bucket: Bucket, result: Tensor) -> No
             us = [views[id(it)] for it in items]
             fs = [factors[id(it)] for it in items] if part.normuon else None
             deltas += step.changes(gi, (rows, cols), [local_tensor(it.param) for it in items], us, fs)
-        step.add(part.shard.group, "update", sum_of_squares(deltas))
+        step.sums.add(part.shard.group, "update", sum_of_squares(deltas))
     params, updates, slots = [], [], []
     for gi, rows, cols, items in bucket.by_update:
         params += [local_tensor(it.param) for it in items]

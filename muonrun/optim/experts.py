@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
@@ -28,11 +29,6 @@ from muonrun.optim.groups import ExpertLayout
 from muonrun.optim.newton_schulz import normuon_row_scale
 from muonrun.optim.step import GroupSettings, MuonStep
 from muonrun.optim.telemetry import reduce_group, sum_of_squares
-
-try:  # torch built without distributed support
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
 
 Chunk = Sequence[tuple[int, Tensor]]  # (param group index, stacked parameter), one group and local shape
 
@@ -44,7 +40,7 @@ def check_stacked(p: Tensor, layout: ExpertLayout, name: str) -> None:
     out = p.shape[2] if layout.transposed else p.shape[1]
     if k < 1 or out % k:
         raise ValueError(f"Muon: stacked parameter {name} cannot be split into {k} matrices per expert")
-    if DTensor is not None and isinstance(p, DTensor):
+    if isinstance(p, DTensor):
         local = local_tensor(p)
         if tuple(local.shape[1:]) != tuple(p.shape[1:]):
             raise ValueError(
@@ -87,7 +83,7 @@ def create_state(step: MuonStep, chunk: Chunk) -> None:
         for _, p in chunk:
             step.second_moment(p, s.layout)
     if step.sums is not None:
-        step.add(reduce_group(chunk[0][1]), "momentum", sum_of_squares(bufs))
+        step.sums.add(reduce_group(chunk[0][1]), "momentum", sum_of_squares(bufs))
 
 
 def stacked_momentum(step: MuonStep, chunk: Chunk, X: Tensor | None = None) -> Tensor:
@@ -108,7 +104,7 @@ def stacked_momentum(step: MuonStep, chunk: Chunk, X: Tensor | None = None) -> T
     key = ("experts", gi, s.layout, *grads[0].shape, len(params))
     step.passes.momentum(key, bufs, grads, updates, s.momentum, s.nesterov, strided=s.layout.strided)
     if step.sums is not None:
-        step.add(reduce_group(params[0]), "momentum", sum_of_squares(bufs))
+        step.sums.add(reduce_group(params[0]), "momentum", sum_of_squares(bufs))
     return X
 
 
@@ -134,7 +130,7 @@ def stacked_update(step: MuonStep, chunk: Chunk, X: Tensor) -> None:
         row_factors = list(factor.view(len(params), *shape[:-1]).unbind(0))
     if step.sums is not None:  # what the step changes, before it changes it
         deltas = step.changes(gi, (rows, cols), locals_, updates, row_factors)
-        step.add(reduce_group(params[0]), "update", sum_of_squares(deltas))
+        step.sums.add(reduce_group(params[0]), "update", sum_of_squares(deltas))
     slots = [step.scalars.slots[(gi, rows, cols)]] * len(params)
     key = ("experts", gi, s.layout, *shape, len(params))
     step.passes.decay_and_update(

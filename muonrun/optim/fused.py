@@ -46,6 +46,7 @@ def decay_and_update(
     decoupled decay ``1 - lr * wd`` and the scaled update ``-adjust_lr(lr)``. With host numbers,
     torch's two foreach ops (a factor of 1 skipped); with a device tensor (compiled: the values change
     every step without recompiling), the update widened to fp32 and scaled, in one pass when fused.
+    The two may round the scaled update differently: an eager and a compiled step agree to rounding.
     ``row_factors`` (NorMuon): one fp32 factor per row of each update (``u.shape[:-1]``), applied to
     the widened update in the same pass, so the Newton–Schulz result is never rescaled in memory."""
     runs: dict[tuple[int, int], list[int]] = {}

@@ -258,7 +258,7 @@ def split_params(
                 "optimizer. Narrow one of the two lists so that it no longer matches it."
             )
         experts_module = module is not None and is_experts_module(module)
-        if forced_muon and p.ndim == 3 and experts_module:
+        if p.ndim == 3 and experts_module and (forced_muon or not forced_adamw):
             split.experts.append((name, p))
             split.expert_layouts[name] = expert_layout(module, name)
         elif forced_muon:
@@ -275,9 +275,6 @@ def split_params(
             split.lm_head.append((name, p))
         elif p.ndim < 2 or (experts_module and p.ndim == 2 and name.endswith("_bias")):  # GPT-OSS's [E, out]
             split.norm_bias.append((name, p))
-        elif p.ndim == 3 and experts_module and not forced_adamw:
-            split.experts.append((name, p))
-            split.expert_layouts[name] = expert_layout(module, name)
         elif (
             isinstance(module, nn.Linear)
             and p is module.weight

@@ -66,7 +66,14 @@ from muonrun.optim.newton_schulz import (
     per_step_coefficients,
 )
 from muonrun.optim.ns_quack import default_products
-from muonrun.optim.sharding import DEFAULT_BUCKET_NUMEL, Entry, Partition, build_plan, shard_info
+from muonrun.optim.sharding import (
+    DEFAULT_BUCKET_NUMEL,
+    ROW_VALUES,
+    Entry,
+    Partition,
+    build_plan,
+    shard_info,
+)
 from muonrun.optim.step import GroupSettings, MuonStep, UpdateScalars, check_group, to_float
 from muonrun.optim.telemetry import Sums
 
@@ -241,7 +248,7 @@ class Muon(torch.optim.Optimizer):
         ]
         key = (tuple((gi, id(p)) for gi, _, p in active), tuple(s.normuon for s in groups))
         if self._plan is None or key != self._plan_key:
-            row_state = 2 * (4 // self.ns_dtype.itemsize)  # NorMuon: v and the row factor, in fp32
+            row_state = ROW_VALUES * (4 // self.ns_dtype.itemsize)  # NorMuon: fp32 values, in buffer elements
             entries = [
                 Entry(
                     gi,
@@ -308,14 +315,8 @@ class Muon(torch.optim.Optimizer):
                 create_state(step, chunk)
         step_local(step, units, graph)
         if sums is not None:
-            total = sums.total()
             numel = sum(it.rows * it.cols for part in plan for b in part.buckets for it in b.items)
-            numel += sum(p.numel() for _, p in stacked)
-            self.telemetry = {
-                "update_rms": (total["update"] / numel).sqrt(),
-                "momentum_norm": total["momentum"].sqrt(),
-                "ortho_residual": total["ortho_residual"],
-            }
+            self.telemetry = sums.telemetry(numel + sum(p.numel() for _, p in stacked))
         return loss
 
     def _graph_for(self, step: MuonStep, units: list, stacked: list, device) -> StepGraph | None:

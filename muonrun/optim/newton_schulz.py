@@ -30,23 +30,6 @@ from torch import Tensor
 
 from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
 
-__all__ = [
-    "ADJUST_LR_FNS",
-    "DEFAULT_NS_COEFFICIENTS",
-    "NewtonSchulz",
-    "adjust_lr",
-    "gram_iterations",
-    "newton_schulz",
-    "newton_schulz_flops",
-    "normuon_row_scale",
-    "ns_dtype_for",
-    "ns_iterations",
-    "orthogonality_residual",
-    "standard_iterations",
-    "uses_gram_form",
-    "uses_split_restart",
-]
-
 Coefficients = tuple[float, float, float]
 
 DEFAULT_NS_COEFFICIENTS: Coefficients = (3.4445, -4.775, 2.0315)

@@ -36,14 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from muonrun import compat
 from muonrun.distributed import local_tensor, shard_group
-
-try:  # torch built without distributed support
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover
-    DTensor = Shard = None  # type: ignore[assignment,misc]
 
 
 @dataclass(frozen=True)
@@ -56,6 +52,9 @@ class ShardInfo:
 
 
 LOCAL = ShardInfo(None, 1, 0)
+ROW_VALUES = 2
+"""fp32 values per row in a NorMuon slab's state region: the row's ``v``, then the factor its owner
+sends back (``Item.state_view``)."""
 DEFAULT_BUCKET_NUMEL = 1 << 28
 Block = tuple[int, int, int, int]  # rows [r0, r1) x columns [c0, c1) of a matrix
 
@@ -63,7 +62,7 @@ Block = tuple[int, int, int, int]  # rows [r0, r1) x columns [c0, c1) of a matri
 def shard_info(p: Tensor, name: str) -> ShardInfo:
     """Where a parameter's parts live (``distributed.shard_group``). Raises ValueError for a layout
     with pending partial sums."""
-    if DTensor is None or not isinstance(p, DTensor):
+    if not isinstance(p, DTensor):
         return LOCAL
     if any(pl.is_partial() for pl in p.placements):
         raise ValueError(
@@ -99,7 +98,7 @@ class Item:
     chunk: int  # rows per rank slab (ceil(rows / world); the most any rank holds); == rows when local
     local_rows: int
     cost: int = 0  # Newton–Schulz FLOPs (NewtonSchulz.flops), for owner balancing
-    row_state: int = 0  # buffer elements per row carrying fp32 per-row state (NorMuon's v), 0: none
+    row_state: int = 0  # buffer elements per row of fp32 per-row state (NorMuon's ROW_VALUES), 0: none
     owner: int = 0
     offset: int = 0  # element offset of this rank's slab in the bucket's send/receive buffer
     local_cols: int = 0  # this rank's columns (cols, but for a tensor-parallel column block)
@@ -121,7 +120,7 @@ class Item:
     @property
     def state_at(self) -> int:
         """Offset of the per-row state inside a slab: after the matrix's part, aligned so that it can
-        be viewed as fp32 (``row_state`` elements per fp32 value)."""
+        be viewed as fp32 (a multiple of ``row_state`` elements)."""
         x = max(self.row_state, 1)
         return -(-self.block // x) * x
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from muonrun import compat
 from muonrun.distributed import local_tensor
@@ -22,11 +23,6 @@ from muonrun.optim.fused import Passes, with_row_factors
 from muonrun.optim.groups import ExpertLayout
 from muonrun.optim.newton_schulz import ADJUST_LR_FNS, NewtonSchulz, adjust_lr
 from muonrun.optim.telemetry import Sums
-
-try:  # torch built without distributed support
-    from torch.distributed.tensor import DTensor, Replicate
-except ImportError:  # pragma: no cover
-    DTensor = Replicate = None  # type: ignore[assignment,misc]
 
 VARIANTS = ("muon", "normuon")
 NS_KEYS = ("ns_coefficients", "eps", "ns_steps")  # torch.optim.Muon's per-group Newton–Schulz settings
@@ -155,7 +151,9 @@ class MuonStep:
         ``stats``. With ``base``, ``X`` is not normalised and is held in place as the leading elements of
         each row of that contiguous ``[k, slab]`` tensor, and the result overwrites it: the norm is folded
         into the first product where the Gram form applies (``NewtonSchulz.folds_norm``), else divided
-        in a pass over ``base``."""
+        in a pass over ``base``. So a stack held whole (one rank's bucket, stacked experts) is normalised
+        here; an owner's stack reassembled from several ranks is normalised as it is reassembled
+        (``buckets.orthogonalize_stack``)."""
         ns = self.newton_schulz
         if base is None:
             out = ns(X)
@@ -167,11 +165,6 @@ class MuonStep:
         self.stats["orthogonalized"] += X.shape[0]
         self.stats["gram"] += X.shape[0] * ns.uses_gram(X.shape)
         return out
-
-    def add(self, group, name: str, value: Tensor | None) -> None:
-        """A telemetry term, partial over ``group`` (none: this step does not collect)."""
-        if self.sums is not None:
-            self.sums.add(group, name, value)
 
     def changes(self, gi: int, shape, params: list, updates: list, row_factors: list | None) -> list[Tensor]:
         """What decay and the update (of matrices of ``shape`` in group ``gi``) will change in ``params``,
@@ -189,18 +182,13 @@ def rows_like(p: Tensor, layout: ExpertLayout | None = None) -> Tensor:
     laid out like its rows: a DTensor with ``p``'s mesh and placements (each rank holds its own rows'
     entries) or a plain tensor. DCP saves and reshards it like the parameter."""
     local = local_tensor(p)
-    if layout is None:
-        shape, stride, zeros = (
-            (p.shape[0],),
-            (1,),
-            torch.zeros(local.shape[0], dtype=torch.float32, device=local.device),
-        )
-    else:
-        rows = layout.matrices * layout.matrix_shape(p.shape)[0]
-        shape, stride = (p.shape[0], rows), (rows, 1)
-        zeros = torch.zeros(local.shape[0], rows, dtype=torch.float32, device=local.device)
-    if DTensor is None or not isinstance(p, DTensor):
+    per_row = () if layout is None else (layout.matrices * layout.matrix_shape(p.shape)[0],)
+    zeros = torch.zeros(local.shape[0], *per_row, dtype=torch.float32, device=local.device)
+    if not isinstance(p, DTensor):
         return zeros
     # split like p's rows; a split of its columns (a row-wise tensor-parallel layer) holds whole rows
     placements = [Replicate() if getattr(pl, "dim", 0) != 0 else pl for pl in p.placements]
-    return DTensor.from_local(zeros, p.device_mesh, placements, shape=shape, stride=stride, run_check=False)
+    shape = (p.shape[0], *per_row)
+    return DTensor.from_local(
+        zeros, p.device_mesh, placements, shape=shape, stride=zeros.stride(), run_check=False
+    )

@@ -55,3 +55,10 @@ class Sums:
                 dist.all_reduce(part, group=group)
             total += part
         return dict(zip(self.names, total.unbind(0), strict=True))
+
+    def telemetry(self, numel: int) -> dict[str, Tensor]:
+        """``total`` as an optimizer reports it: ``update_rms`` (the ``update`` term over ``numel``
+        elements), ``momentum_norm``, then every other term as summed."""
+        total = self.total()
+        update, momentum = total.pop("update"), total.pop("momentum")
+        return {"update_rms": (update / numel).sqrt(), "momentum_norm": momentum.sqrt(), **total}
