@@ -11,8 +11,7 @@ FSDP2 shards dim 0, the expert dimension (``torch.chunk`` layout: ``ceil(E / W)`
 the last ranks fewer or none), so a rank's local shard is a set of whole experts and the rank that
 holds an expert runs its Newton–Schulz: no exchange, unlike the row-sharded 2-D matrices
 (``muonrun.optim.sharding``). A chunk of stacked parameters steps as one of a rank's own units
-(``muonrun.optim.local``): the momentum pass into a buffer, then Newton–Schulz on the whole chunk
-and the update, through the same elementwise passes as the 2-D matrices (``muonrun.optim.fused``).
+(``muonrun.optim.local``), Newton–Schulz on the whole chunk at once.
 """
 
 from __future__ import annotations

@@ -6,12 +6,8 @@ write every matrix several times (about 48 bytes per fp32 element); fused, each 
 (about 24). The same Python runs eagerly or compiled. NorMuon's per-row factors ride in the update
 pass instead of a pass of their own. The normalisation takes a stack as the leading ``rows * cols``
 elements of each row of a contiguous ``[k, slab]`` tensor (``leading``): inductor writes a mutated
-*strided* input through a temporary and a copy, a slice of a contiguous one in place.
-
-``Passes(compiled=True)`` compiles each bucket's call once (a fresh code object per bucket: no
-recompiles as buckets differ); the learning-rate-dependent scalars travel as one device tensor, so a
-schedule compiles nothing new. Where compiling is not possible (a CPU, ``eager``, a compile that
-fails) the same ops run eagerly, said once.
+*strided* input through a temporary and a copy, a slice of a contiguous one in place. Where
+compiling is not possible (a CPU, ``eager``, a compile that fails) the same ops run eagerly.
 """
 
 from __future__ import annotations

@@ -43,8 +43,7 @@ class StepGraph:
     """One step's local work as a CUDA graph: ``buffers`` and ``scalars`` are its inputs, filled by the
     caller before each ``run``."""
 
-    warmup_steps = 2
-    """Eager steps on the capture stream before the capture (compiles and lazy set-up happen there)."""
+    warmup_steps = 2  # eager steps on the capture stream before the capture
 
     def __init__(self, key: Hashable, buffers: list[Tensor], n_scalars: int, streams: int = STREAMS) -> None:
         self.key = key
@@ -58,8 +57,7 @@ class StepGraph:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def run(self, body: Callable[[], None], stats: dict[str, int]) -> None:
-        """This step's graph part, ``body``: replayed once captured; before that run eagerly on the
-        capture stream (``warmup_steps``), then captured and replayed. ``stats``: Muon's counters,
+        """This step's graph part, ``body`` (see the module docstring). ``stats``: Muon's counters,
         which a replay advances as the captured call did."""
         if self.graph is not None:
             self.graph.replay()
@@ -93,7 +91,7 @@ class StepGraph:
 
 
 class Lanes:
-    """CUDA streams on which a graph's independent work runs side by side (see the module docstring).
+    """CUDA streams on which a graph's independent work runs side by side.
 
     ``open`` starts every lane after the work queued so far on the current stream; ``lane()`` runs a
     block on the next lane in turn; ``after()`` runs a block on the next lane once every block since

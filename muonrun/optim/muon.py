@@ -1,22 +1,11 @@
 """Muon: momentum + Newton–Schulz orthogonalisation, for plain tensors and FSDP2-sharded DTensors.
 
-References
-----------
-- K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (blog, 2024),
-  https://kellerjordan.github.io/posts/muon/ -- the algorithm.
-- J. Liu et al. (Moonshot AI), "Muon is Scalable for LLM Training", arXiv:2502.16982 -- decoupled
-  weight decay and the ``match_rms_adamw`` lr scaling.
-- K. Ahn et al., "Dion: Distributed Orthonormalized Updates", arXiv:2504.13074 -- the all-to-all
-  "owner computes" layout used here for sharded parameters.
-- Z. Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491 -- ``variant="normuon"``.
-- The Gram form of Newton–Schulz and the lr scalings: ``muonrun.optim.newton_schulz``.
+The papers behind the algorithm, its iteration, NorMuon and the lr scalings are listed in
+``muonrun.optim.newton_schulz``; decoupled weight decay is Moonlight's (J. Liu et al., arXiv:2502.16982),
+the exchange's "owner computes" layout Dion's (K. Ahn et al., arXiv:2504.13074).
 
-What Muon may touch
--------------------
-Only the *hidden* 2-D weight matrices (the Linear weights inside the transformer blocks) and stacked
-expert weights. Embeddings, the LM head (tied or not), norms and biases go to AdamW
-(``muonrun.optim.groups.split_params`` decides by module and name). Muon asserts every parameter is
-2-D (or a declared stack of experts) but cannot tell an embedding from a hidden matrix by itself.
+Muon is for the *hidden* 2-D matrices (the Linear weights inside the transformer blocks) and stacked
+expert weights; ``groups.split_params`` sends embeddings, the LM head, norms and biases to AdamW.
 
 Reference semantics
 -------------------

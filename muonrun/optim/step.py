@@ -1,7 +1,5 @@
 """What one Muon step needs, in one typed object: ``MuonStep``, built by ``Muon.step`` and handed to
-every path that runs a part of the step (the exchange of sharded matrices, a rank's own matrices and
-their CUDA graph, stacked experts). The paths read the settings and write the state through it, and
-touch nothing else of the optimizer.
+every path that runs a part of the step; the paths touch nothing else of the optimizer.
 
 ``GroupSettings`` is one param group's hyperparameters as a step reads them (the schedule may change
 ``lr`` every step); ``UpdateScalars`` lays out their learning-rate-dependent numbers for the update pass,
