@@ -69,7 +69,8 @@ def test_the_tiny_preset_trains_the_same_with_and_without_tp_and_resumes_across_
         if name == "tp2":  # the same layout: bit for bit
             assert losses(run) == {s: losses(saved)[s] for s in range(5, STEPS + 1)}
         close(losses(run), losses(saved), range(5, STEPS + 1))
-    ok(muonrun("export", str(saved), str(tmp_path / "hf")))
+    exported = CliRunner().invoke(app, ["export", str(saved), str(tmp_path / "hf")])  # in-process
+    assert exported.exit_code == 0, exported.output
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 from helpers import losses, muonrun, ok
+from typer.testing import CliRunner
+
+from muonrun.cli import app
 
 LOGGED = [
     "data.seq_len=64",
@@ -58,11 +61,28 @@ def test_a_preemption_between_logged_steps_resumes_the_logged_loss_exactly_and_a
 @pytest.mark.slow
 def test_router_biases_are_resumed_or_the_resume_is_refused_naming_the_setting(tmp_path):
     """train.router_bias_update_rate keeps per-expert biases in the model state: turned off on resume
-    they would be dropped, turned on there they cannot be resumed; a changed rate resumes them."""
+    they would be dropped, turned on there they cannot be resumed; a changed rate resumes them. One
+    worker, in this process (`--nproc-per-node 1` trains in the launcher's own process)."""
     moe = ("checkpoint.interval=0", "train.max_steps=2", "logging.log_interval=1", "schedule.warmup_steps=1")
+
+    def in_process(out: Path, *overrides: str) -> tuple[int, str]:
+        argv = [
+            "pretrain",
+            "tiny-moe",
+            f"output_dir={out}",
+            *LOGGED,
+            *moe,
+            *overrides,
+            "--nproc-per-node",
+            "1",
+        ]
+        result = CliRunner().invoke(app, argv)
+        return result.exit_code, result.output
+
     biased, plain = tmp_path / "biased", tmp_path / "plain"
-    ok(run(biased, *moe, "train.router_bias_update_rate=0.01", preset="tiny-moe", nproc=1))
-    ok(run(plain, *moe, preset="tiny-moe", nproc=1))
+    for out, bias in ((biased, ("train.router_bias_update_rate=0.01",)), (plain, ())):
+        code, text = in_process(out, *bias)
+        assert code == 0, text[-3000:]
     for out, rate, says in (
         (
             biased,
@@ -75,26 +95,10 @@ def test_router_biases_are_resumed_or_the_resume_is_refused_naming_the_setting(t
             "this run has model state it does not hold: lm.model.layers.0.mlp.gate.muonrun_expert",
         ),
     ):
-        result = run(
-            out,
-            *moe,
-            "train.max_steps=3",
-            f"train.router_bias_update_rate={rate}",
-            preset="tiny-moe",
-            nproc=1,
-        )
-        text = " ".join(result.stderr.split())
-        assert result.returncode == 2 and says in text, result.stdout[-2000:] + result.stderr[-2000:]
+        code, output = in_process(out, "train.max_steps=3", f"train.router_bias_update_rate={rate}")
+        text = " ".join(output.split())
+        assert code == 2 and says in text, output[-3000:]
         assert "train.router_bias_update_rate: " in text and "train.max_steps:" not in text
-        assert "Traceback" not in result.stderr
-    text = ok(
-        run(
-            biased,
-            *moe,
-            "train.max_steps=3",
-            "train.router_bias_update_rate=0.02",
-            preset="tiny-moe",
-            nproc=1,
-        )
-    )
-    assert "resumed from" in text and 3 in losses(biased)
+        assert "Traceback" not in output
+    code, text = in_process(biased, "train.max_steps=3", "train.router_bias_update_rate=0.02")
+    assert code == 0 and "resumed from" in text and 3 in losses(biased), text[-3000:]
