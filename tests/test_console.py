@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import cli_env
@@ -138,6 +139,7 @@ def test_a_run_in_a_terminal_acknowledges_ctrl_c_and_ends_with_a_summary(tmp_pat
     checkpoint line after step 4's row (evaluation is not at step 4), the eval row in line with the step
     rows, and the summary."""
     import fcntl
+    import select
     import struct
     import termios
 
@@ -162,8 +164,11 @@ def test_a_run_in_a_terminal_acknowledges_ctrl_c_and_ends_with_a_summary(tmp_pat
     )
     os.close(slave)
     data, interrupted = b"", False
+    deadline = time.monotonic() + 300  # a run that never ends fails here instead of hanging the suite
     try:
         while True:
+            if not select.select([master], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                pytest.fail(f"the run did not end in 300 s: {data.decode(errors='replace')[-3000:]}")
             try:
                 chunk = os.read(master, 65536)
             except OSError:  # the terminal's other side closed: every process of the run is gone
