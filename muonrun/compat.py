@@ -13,6 +13,10 @@ Why each one is here, and not torch's public API:
   muonrun's AdamW swaps in the local shards there (muonrun/optim/adamw.py says why).
 - `FileSystemReader._get_metadata_path`: the path of DCP's metadata file, which muonrun reads itself
   through an allow-listing unpickler (muonrun/checkpoint/safe.py).
+- `torch.distributed.checkpoint.filesystem._write_files_from_queue`: the function DCP's extra writer
+  threads run, whose name their default thread names carry. A save that runs out of room raises from
+  DCP's own writer while the others may still be writing and dying of it; muonrun waits for them
+  (`dcp_writer_threads`) so that their tracebacks are kept, not printed (muonrun/checkpoint/room.py).
 - DTensor's caches (`MESH_CACHES`): they keep every DeviceMesh, and through them every process group,
   alive to the end of the process; torch offers no public way to empty them.
 - `torch._dynamo.exc.TorchDynamoException`: what `torch.compile` raises when it cannot compile a
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from collections.abc import Callable, Sequence
 from functools import reduce
 from typing import Any
@@ -134,6 +139,13 @@ def dcp_metadata_path(reader, rank: int | None = None):
     """The metadata file a `torch.distributed.checkpoint.FileSystemReader` reads (per rank, or the
     global one)."""
     return reader._get_metadata_path(rank)
+
+
+def dcp_writer_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """DCP FileSystemWriter's extra writer threads alive now that were not among `before`."""
+    return [
+        t for t in threading.enumerate() if t not in before and t.name.endswith("(_write_files_from_queue)")
+    ]
 
 
 # -- torch.compile -----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import inspect
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,34 @@ def test_dcp_metadata_path_names_the_metadata_file(tmp_path):
 
     path = compat.dcp_metadata_path(FileSystemReader(tmp_path))
     assert Path(path) == tmp_path / ".metadata", f"FileSystemReader._get_metadata_path gives {path}"
+
+
+def test_dcp_writer_threads_are_the_threads_running_write_files_from_queue():
+    from torch.distributed.checkpoint import filesystem
+
+    release = threading.Event()
+    before = set(threading.enumerate())
+    writer = threading.Thread(target=filesystem._write_files_from_queue, args=_blocking_queue(release))
+    other = threading.Thread(target=release.wait)
+    writer.start(), other.start()
+    try:
+        assert compat.dcp_writer_threads(before) == [writer], [t.name for t in threading.enumerate()]
+    finally:
+        release.set()
+        writer.join(), other.join()
+
+
+def _blocking_queue(release: threading.Event) -> tuple:
+    """Arguments for `_write_files_from_queue` whose file queue blocks it until `release` is set, then
+    hands it nothing (it returns on an empty queue)."""
+    import queue
+
+    class Files(queue.Queue):
+        def get_nowait(self):
+            release.wait()
+            raise queue.Empty
+
+    return (None, Files(), queue.Queue(), None, None, 0, False, 1, None)
 
 
 def test_torch_dynamo_exc_torch_dynamo_exception_is_what_a_failed_compile_raises():

@@ -15,6 +15,7 @@ import errno
 import threading
 from pathlib import Path
 
+from muonrun import compat
 from muonrun.checkpoint.files import published_checkpoints, read_meta
 from muonrun.errors import UserError
 from muonrun.paths import out_of_room, out_of_room_message, remove_own, room_left_in
@@ -27,10 +28,14 @@ def save_room(step: int, tmp: Path, root: Path, published: int | None):
     threads die of it with tracebacks of their own: kept here, and shown only if the save fails for
     another reason."""
     died = []
+    before = set(threading.enumerate())
     previous, threading.excepthook = threading.excepthook, died.append
     try:
         yield
     except BaseException as e:  # DCP's CheckpointException is a BaseException
+        # DCP raises from its own writer at once; its other writers may still be writing (and dying)
+        for thread in compat.dcp_writer_threads(before):
+            thread.join(timeout=120)
         number = None
         if not isinstance(e, KeyboardInterrupt | SystemExit):
             number = out_of_room([e, *(d.exc_value for d in died)]) or room_left_in(tmp)
