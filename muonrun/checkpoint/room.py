@@ -33,11 +33,12 @@ def save_room(step: int, tmp: Path, root: Path, published: int | None):
     try:
         yield
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        # DCP raises from its own writer at once; its other writers may still be writing (and dying)
-        for thread in compat.dcp_writer_threads(before):
-            thread.join(timeout=120)
         number = None
         if not isinstance(e, KeyboardInterrupt | SystemExit):
+            # DCP raises from its own writer at once, while its other writers may still be writing into
+            # `tmp` (and dying of the same lack of room): they end before `tmp` goes and the hook returns
+            for thread in compat.dcp_writer_threads(before):
+                thread.join(timeout=120)
             number = out_of_room([e, *(d.exc_value for d in died)]) or room_left_in(tmp)
         if number is None:
             for d in died:
