@@ -20,7 +20,7 @@ from muonrun.optim import (
     newton_schulz,
     newton_schulz_flops,
 )
-from muonrun.optim.newton_schulz import normuon_row_scale, ns_iterations, per_step_coefficients
+from muonrun.optim.newton_schulz import normuon_row_scale, per_step_coefficients
 from muonrun.optim.ns_products import TORCH_PRODUCTS, Products
 
 torch_muon = pytest.importorskip("torch.optim._muon")
@@ -295,8 +295,9 @@ def test_newton_schulz_flops_counts_what_runs(shape, steps, gram):
     symmetric = SymmetricFlops()
     X = torch.randn(shape).reshape(-1, *shape[-2:])
     with FlopCounterMode(display=False) as whole:
-        ns_iterations(X / X.norm(dim=(-2, -1), keepdim=True), [DEFAULT_NS_COEFFICIENTS] * steps, gram=gram,
-                      products=symmetric)  # fmt: skip
+        NewtonSchulz((DEFAULT_NS_COEFFICIENTS,) * steps, gram=gram, products=symmetric).iterate(
+            X / X.norm(dim=(-2, -1), keepdim=True)
+        )
     assert whole.get_total_flops() - symmetric.flops // 2 == X.shape[0] * newton_schulz_flops(
         shape, steps, gram, symmetric=True
     )
@@ -637,12 +638,13 @@ def test_a_norm_folded_into_the_first_product_is_the_normalised_iteration():
         for steps in (0, 1, 2, 3, 5):
             per_step = per_step_coefficients(PER_ITERATION, steps)
             for gram in (False, True):
-                expected = ns_iterations(normalized, per_step, gram=gram)
-                got = ns_iterations(X, per_step, gram=gram, fold_eps=1e-7)
+                ns = NewtonSchulz(per_step, gram=gram)
+                expected = ns.iterate(normalized)
+                got = ns.iterate(X, fold_eps=1e-7)
                 # the scale is computed in fp32, the iteration in fp64
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
                 buf = X.clone()
-                assert ns_iterations(buf, per_step, gram=gram, fold_eps=1e-7, out=buf) is buf
+                assert ns.iterate(buf, fold_eps=1e-7, out=buf) is buf
                 torch.testing.assert_close(buf, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -1085,8 +1087,8 @@ def test_on_a_gpu_quacks_products_are_torchs_products():
             assert calls.count("_gemm") == before + (i < 2), shape  # unaligned (the last): torch's
         per_step = [DEFAULT_NS_COEFFICIENTS] * 5
         for gram in (False, True):
-            ours = ns_iterations(X, per_step, gram=gram, products=quack).float()
-            ref = ns_iterations(X, per_step, gram=gram).float()
+            ours = NewtonSchulz(per_step, gram=gram, products=quack).iterate(X).float()
+            ref = NewtonSchulz(per_step, gram=gram).iterate(X).float()
             assert (ours - ref).norm() / ref.norm() < 0.02, (shape, gram)
     symmetric = sum(name != "_gemm" for name in calls)
     assert symmetric >= 4 * (3 + 2 * 5)  # at least the checks' and the standard form's ran on quack

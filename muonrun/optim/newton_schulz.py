@@ -14,9 +14,6 @@ References
   arXiv:2510.05491 -- the per-row second-moment normalisation (``normuon_row_scale``).
 - J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz" (blog, 2026),
   https://tridao.me/blog/2026/gram-newton-schulz/ -- iterating on the Gram matrix ``X X^T``.
-
-A study of another iteration passes its own ``NewtonSchulz`` to Muon (other ``coefficients``, or a
-subclass overriding ``iterate``).
 """
 
 from __future__ import annotations
@@ -36,15 +33,15 @@ DEFAULT_NS_COEFFICIENTS: Coefficients = (3.4445, -4.775, 2.0315)
 DEFAULT_NS_STEPS = 5
 DEFAULT_EPS = 1e-7
 
-# Gram form: restart from the current X before this iteration, because without a restart the bf16
-# rounding in the Gram matrix compounds until the result is useless; with one before the third
-# iteration it is as close to the exact polar factor as the standard iteration. It is used only for
-# matrices at least GRAM_MIN_ASPECT times wider than tall: on squares it costs more FLOPs than the
-# standard iteration, and with quack's symmetric products it runs slower below 1.5 (docs/performance.md).
+# The Gram form rebuilds its Gram matrix before this iteration: without a restart bf16 rounding compounds
+# in it until the result is useless; with one before the third iteration the result is as close to the
+# polar factor as the standard iteration's. It runs only on matrices GRAM_MIN_ASPECT times wider than
+# tall: on squares it costs more FLOPs, and with quack's products it runs slower below 1.5 (docs/performance.md).
 GRAM_RESTART = 2
 GRAM_MIN_ASPECT = 1.5
-# The split restart (``gram_iterations``' ``split_restart``) costs 10 m^3 FLOPs (8 with symmetric
-# products) where the restart from X costs 4 m^2 n (3): fewer from n = 2.5 m (2.7); from 3 on both.
+# The split restart (``gram_iterations``' ``split_restart``) costs four m x m products and the final Q' Q,
+# 10 m^3 FLOPs (8 with symmetric products), where the restart from X costs Q X and its Gram matrix,
+# 4 m^2 n (3): fewer from n = 2.5 m (2.7); from 3 on both.
 SPLIT_RESTART_MIN_ASPECT = 3.0
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral")
@@ -71,9 +68,8 @@ def uses_gram_form(shape: Sequence[int], steps: int) -> bool:
 
 
 def uses_split_restart(shape: Sequence[int], steps: int) -> bool:
-    """Whether the Gram form restarts from its first Gram matrix (``gram_iterations``' split restart)
-    for a matrix of this shape: it has a restart, and its long side is long enough for the split
-    restart to cost fewer FLOPs than the restart from X."""
+    """Whether the Gram form takes its split restart (``gram_iterations``) on a matrix of this shape: it
+    restarts, and the split restart costs fewer FLOPs there (``SPLIT_RESTART_MIN_ASPECT``)."""
     m, n = sorted(shape[-2:])
     return uses_gram_form(shape, steps) and steps > GRAM_RESTART and n >= SPLIT_RESTART_MIN_ASPECT * m
 
@@ -88,15 +84,12 @@ class NewtonSchulz:
     - ``eps``: the Frobenius norm's floor;
     - ``gram``: the Gram form (``gram_iterations``) for matrices at least ``GRAM_MIN_ASPECT`` times
       wider than tall: the same iteration in exact arithmetic, as close to the polar factor in bf16,
-      about half the FLOPs on MLP-shaped matrices; its restart rebuilds the Gram matrix from the first
-      one where ``uses_split_restart``. False: torch's standard iteration everywhere;
+      about half the FLOPs on MLP-shaped matrices. False: torch's standard iteration everywhere;
     - ``products``: how the matrix products are evaluated (``ns_products.Products``; quack's
       symmetric GEMM where ``default_products`` picks it).
 
-    A stack held whole takes its norm from its first Gram product where the Gram form applies
-    (``folds_norm``), instead of a pass dividing the matrices by it. A study passes another
-    ``NewtonSchulz`` to Muon (``Muon(..., newton_schulz=...)``): other coefficients, or a subclass whose
-    ``iterate`` (and, if its cost differs, ``flops``) is its own.
+    A study passes another ``NewtonSchulz`` to Muon (``Muon(..., newton_schulz=...)``): other
+    coefficients, or a subclass whose ``iterate`` (and, if its cost differs, ``flops``) is its own.
     """
 
     coefficients: tuple[Coefficients, ...] = (DEFAULT_NS_COEFFICIENTS,) * DEFAULT_NS_STEPS
@@ -135,15 +128,23 @@ class NewtonSchulz:
         is folded into the first product. Returns a new contiguous tensor, or ``out``."""
         fold = not normalized and self.folds_norm(X.shape)
         if not normalized and not fold:
-            norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-            X = X / norm.clamp(min=self.eps)
+            X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=self.eps)
         return self.iterate(X, fold_eps=self.eps if fold else None, out=out)
 
     def iterate(self, X: Tensor, fold_eps: float | None = None, out: Tensor | None = None) -> Tensor:
-        """The iterations (``ns_iterations``); ``fold_eps``: fold the norm, with this floor."""
-        return ns_iterations(
-            X, self.coefficients, gram=self.gram, fold_eps=fold_eps, out=out, products=self.products
-        )
+        """The iterations on a stack ``[k, rows, cols]``: the Gram form where ``uses_gram`` (its split
+        restart where ``uses_split_restart``), else the standard one. ``X`` is normalised; with
+        ``fold_eps`` it is not, and the Gram form reads its Frobenius norm (at least ``fold_eps``) off its
+        first product (the standard form divides first). Returns a new tensor, or ``out``."""
+        ops = self.products
+        if self.uses_gram(X.shape):
+            split = uses_split_restart(X.shape, self.steps)
+            return gram_iterations(
+                X, self.coefficients, fold_eps=fold_eps, out=out, products=ops, split_restart=split
+            )
+        if fold_eps is not None:
+            X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=fold_eps)
+        return standard_iterations(X, self.coefficients, out=out, products=ops)
 
 
 def newton_schulz(
@@ -155,24 +156,18 @@ def newton_schulz(
     gram: bool = False,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` in ``dtype`` (bf16).
-
-    ``G`` is a matrix ``[rows, cols]`` or a stack ``[..., rows, cols]`` (every matrix normalised and
-    iterated independently, in one batched matmul per product). Same arithmetic as torch.optim.Muon's
-    ``_zeropower_via_newtonschulz``: cast to ``dtype``, ``X /= max(||X||_F, eps)``, then per iteration
-    ``A = X X^T; B = b A + c A A; X = a X + B X`` on the wide orientation. A tall matrix (``rows >
-    cols``) is not transposed in memory: the same iteration is written ``A = X^T X; X = a X + X B^T``,
-    so every tensor stays contiguous and cuBLAS reads the transposes for free.
-    ``gram=True`` iterates on the Gram matrix where that is cheaper (see ``gram_iterations``).
-    ``dtype=torch.float32`` runs the same sequence in fp32 (on CPUs without native bf16 matmuls it is
-    several times faster: docs/performance.md). Returns a contiguous tensor of ``G``'s shape in ``dtype``.
-    """
+    """Approximate the orthogonal polar factor ``U V^T`` of ``G = U S V^T`` (a matrix, or a stack
+    ``[..., rows, cols]`` of independent ones) with torch.optim.Muon's ``_zeropower_via_newtonschulz``
+    arithmetic: cast to ``dtype``, ``X /= max(||X||_F, eps)``, then ``standard_iterations`` (``gram=True``:
+    the Gram form where ``NewtonSchulz`` takes it). ``dtype=torch.float32`` runs the same sequence in fp32
+    (faster on CPUs without native bf16 matmuls: ``ns_dtype_for``). Returns a contiguous tensor of
+    ``G``'s shape in ``dtype``."""
     per_step = per_step_coefficients(coefficients, steps)
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}")
     X = G.to(dtype).reshape(-1, *G.shape[-2:])
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)  # never writes into G
-    return ns_iterations(X, per_step, gram=gram).reshape(G.shape)
+    return NewtonSchulz(per_step, eps, gram)(X).reshape(G.shape)
 
 
 def ns_dtype_for(device_type: str) -> torch.dtype:
@@ -185,36 +180,12 @@ def ns_dtype_for(device_type: str) -> torch.dtype:
     return torch.bfloat16 if native and torch.backends.cpu.get_cpu_capability() == "AVX512" else torch.float32
 
 
-def ns_iterations(
-    X: Tensor,
-    per_step: Sequence[Coefficients],
-    *,
-    gram: bool = False,
-    fold_eps: float | None = None,
-    out: Tensor | None = None,
-    products: Products = TORCH_PRODUCTS,
-) -> Tensor:
-    """Newton–Schulz on a stack ``[k, rows, cols]``: with ``gram``, the Gram form where
-    ``uses_gram_form`` (its split restart where ``uses_split_restart``); else the standard one. ``X`` is
-    normalised; with ``fold_eps`` it is not, and the Gram form reads its Frobenius norm (at least
-    ``fold_eps``) off its first product (the standard form divides first). Returns a new tensor, or ``out``."""
-    if gram and uses_gram_form(X.shape, len(per_step)):
-        split = uses_split_restart(X.shape, len(per_step))
-        return gram_iterations(
-            X, per_step, fold_eps=fold_eps, out=out, products=products, split_restart=split
-        )
-    if fold_eps is not None:
-        X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=fold_eps)
-    return standard_iterations(X, per_step, out=out, products=products)
-
-
 def _fold_norm_(A: Tensor, eps: float, ops: Products) -> Tensor:
     """``A <- A / s^2`` in place for the first Gram product ``A = X X^T`` of a stack ``[k, m, m]``, with
-    ``s = max(||X||_F, eps)`` from its trace, and the fp32 ``1 / s`` ``[k, 1, 1]`` that the first product
-    with ``X`` takes. The scale stays fp32 and every product it scales is computed in fp32 and rounded once
-    (``Products.scale``): a scale rounded to bf16 would move every singular value by up to 0.2%. ``A``'s
-    entries are the input's squares: inputs past about 1e17 overflow bf16 (the step is then not finite,
-    as a NaN step is)."""
+    ``s = max(||X||_F, eps)`` from its trace; returns the fp32 ``1 / s`` ``[k, 1, 1]`` for the first
+    product with ``X``. It stays fp32 (``Products.scale``): rounded to bf16 it would move every singular
+    value by up to 0.2%. ``A``'s entries are the input's squares: inputs past about 1e17 overflow bf16
+    (the step is then not finite, as a NaN step is)."""
     trace = A.diagonal(dim1=-2, dim2=-1).float().sum(-1).view(-1, 1, 1)
     d = trace.sqrt().clamp_(min=eps).reciprocal_()
     ops.scale(A, d.square())
@@ -228,9 +199,11 @@ def standard_iterations(
     out: Tensor | None = None,
     products: Products = TORCH_PRODUCTS,
 ) -> Tensor:
-    """torch.optim.Muon's iterations on a normalised stack (bf16 or fp32) ``[k, rows, cols]``:
-    ``A = X X^T; B = b A + c A A; X = a X + B X`` (``baddbmm``), on ``X^T`` where ``X`` is tall.
-    ``out``: where the last product writes (it may be ``X``'s own memory, then a copy is made)."""
+    """torch.optim.Muon's iterations on a normalised stack ``[k, rows, cols]`` (bf16 or fp32): ``A = X
+    X^T; B = b A + c A A; X = a X + B X`` (``baddbmm``). A tall ``X`` is not transposed in memory: the
+    iteration is written ``A = X^T X; X = a X + X B^T``, so every tensor stays contiguous and cuBLAS
+    reads the transposes for free. ``out``: where the last product writes (it may be ``X``'s own memory,
+    then a copy is made)."""
     tall = X.shape[-2] > X.shape[-1]
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
@@ -255,19 +228,16 @@ def gram_iterations(
     forms ``P = a I + b R + c R^2`` and updates ``Q <- P Q``, ``R <- P R P``; the result is ``Q X``.
     In exact arithmetic that is the standard iteration (every P is a polynomial in the first R, so
     they commute), but the n-sized products happen only at the start, at the restart (``X <- Q X``,
-    ``R <- X X^T`` before iteration ``restart``, which stops bf16 rounding in R from compounding)
-    and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5 iterations instead of 20 m^2 n + 10 m^3.
-    ``fold_eps`` and ``out`` as in ``ns_iterations``: the first
-    ``R`` gives the scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
+    ``R <- X X^T`` before iteration ``GRAM_RESTART``) and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5
+    iterations instead of 20 m^2 n + 10 m^3. ``fold_eps`` and ``out`` as in ``NewtonSchulz.iterate``:
+    the first ``R`` gives the scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
 
-    ``split_restart``: rebuild ``R`` at the restart from the first Gram matrix instead of from ``X``:
-    ``R0 = X X^T`` is kept with its fp32 accumulation (as two bf16 halves, ``Products.split``), the
-    restart forms ``R <- Q R0 Q^T`` on the m x m side (``Products.regram``) and starts a new ``Q``, and
-    the end applies ``(Q' Q) X``, one product with ``X`` instead of three. The exact arithmetic is
-    the same; bf16 alone is not enough for it: ``R0`` rounded to bf16 makes ``Q R0 Q^T`` disagree with
-    the Gram matrix of ``Q X`` by far more than the restart removes. The restart's n-sized products
-    (``Q X`` and its Gram matrix, 4 m^2 n FLOPs, 3 with symmetric products) become four m x m products
-    and the final ``Q' Q`` (10 m^3 FLOPs, 8 with symmetric products): fewer where ``uses_split_restart``.
+    ``split_restart``: rebuild ``R`` at the restart from the first Gram matrix, not from ``X``: ``R0 = X
+    X^T`` is kept with its fp32 accumulation (as two bf16 halves, ``Products.split``), the restart forms
+    ``R <- Q R0 Q^T`` on the m x m side (``Products.regram``) and starts a new ``Q``, and the end applies
+    ``(Q' Q) X``, one product with ``X`` instead of three (the FLOPs: ``SPLIT_RESTART_MIN_ASPECT``). The
+    same exact arithmetic, but not in bf16 alone: ``R0`` rounded to bf16 makes ``Q R0 Q^T`` disagree
+    with the Gram matrix of ``Q X`` by far more than the restart removes.
     """
     tall = X.shape[-2] > X.shape[-1]
     ops = products
@@ -277,8 +247,8 @@ def gram_iterations(
             ops.scale(Q, d)
         return ops.apply(Q, Y, tall, dst)
 
-    if not per_step:
-        return ns_iterations(X, per_step, fold_eps=fold_eps, out=out)
+    if not per_step:  # nothing to iterate: X, normalised as the standard form does
+        return NewtonSchulz(per_step).iterate(X, fold_eps, out)
     restart = GRAM_RESTART
     split = split_restart and restart < len(per_step)
     R, Q, Q_before = (ops.gram_fp32 if split else ops.gram)(X, tall), None, None
@@ -332,27 +302,21 @@ def normuon_row_scale(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[T
         U   = Y * sqrt(min(m, n)) / ||Y||_F = f[..., None] * X
 
     ``U`` has the Frobenius norm of the orthogonal matrix Newton–Schulz approximates, so Muon's
-    ``adjust_lr`` scales it as it scales ``X``; with ``match_rms_adamw`` (``0.2 sqrt(max(m, n))``)
-    the step is the paper's ``0.2 * lr * sqrt(m n) / ||Y||_F * Y``.
+    ``adjust_lr`` scales it as it scales ``X``; with ``match_rms_adamw`` the step is the paper's
+    ``0.2 * lr * sqrt(m n) / ||Y||_F * Y``.
 
-    It reads ``X`` once, for each row's sum of squares ``q_i`` (fp32 accumulation); the Frobenius norm
-    of ``Y = X / (sqrt(v) + eps)`` follows from the rows alone, ``||Y||_F^2 = sum_i q_i / (sqrt(v_i) +
-    eps)^2``, so the factors ride in the update pass and ``X`` is never rescaled in memory.
+    It reads ``X`` once, for each row's sum of squares ``q_i`` (fp32 accumulation): ``||Y||_F^2 = sum_i
+    q_i / (sqrt(v_i) + eps)^2``, so the factors ride in the update pass and ``X`` is never rescaled.
     """
     m, n = X.shape[-2:]
     q = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
     v = torch.lerp(v, q / n, 1 - beta2)
     r = (v.sqrt() + eps).reciprocal_()
     norm = (q * r.square()).sum(-1, keepdim=True).sqrt_()
-    return r.mul_(_orthogonal_norm_over(norm, m, n)), v
-
-
-def _orthogonal_norm_over(norm: Tensor, m: int, n: int) -> Tensor:
-    """``sqrt(min(m, n)) / norm``, and 0 where ``norm`` is 0. A matrix whose momentum is exactly zero
-    (LoRA's A until its B moves, an expert that got no tokens for long) has all rows zero; its rows'
-    factors are then ``1 / eps``, and dividing by a clamped zero norm overflows fp32 to inf, which times
-    the zero rows is NaN. A zero factor keeps its update zero, as torch.optim.Muon's is."""
-    return torch.where(norm > 0, math.sqrt(min(m, n)) / norm.clamp(min=1e-30), 0.0)
+    # 0 where the norm is 0: a matrix whose momentum is exactly zero (LoRA's A until its B moves, an expert
+    # without tokens for long) has factors 1 / eps, and a clamped zero norm overflows fp32 to inf, which
+    # times its zero rows is NaN. A zero factor keeps its update zero, as torch.optim.Muon's is.
+    return r.mul_(torch.where(norm > 0, math.sqrt(min(m, n)) / norm.clamp(min=1e-30), 0.0)), v
 
 
 def orthogonality_residual(X: Tensor) -> Tensor:
