@@ -19,24 +19,22 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from muonrun import compat
-from muonrun.distributed import local_tensor
-from muonrun.optim.telemetry import Sums, reduce_group, sum_of_squares
+from muonrun.distributed import local_tensor, shard_group
+from muonrun.optim.telemetry import Sums, sum_of_squares
 
 
 class AdamW(compat.AdamWWithGroupLists):
     """`torch.optim.AdamW` whose step runs on the local shards of DTensor parameters (plain tensors
     pass through). Each gradient must be laid out like its parameter, as FSDP2's are.
 
-    Telemetry: with `collect_telemetry = True` every `step()` fills `self.telemetry` with 0-d fp32
-    tensors on the parameters' device, global over their shard group (one `all_reduce` of two numbers
-    per step, no host synchronisation; read them late): `update_rms`, the RMS of what the step changed
-    (weight decay included) over all the parameters it stepped, and `momentum_norm`, the L2 norm of
-    all the `exp_avg` after the step. It keeps a copy of the stepped local shards during the step.
+    Telemetry (`collect_telemetry = True`; `muonrun.optim.telemetry`): every `step()` fills
+    `self.telemetry` with `update_rms`, the RMS of what the step changed (weight decay included) over all
+    the parameters it stepped, and `momentum_norm`, the L2 norm of all the `exp_avg` after the step. It
+    keeps a copy of the stepped local shards during the step.
     """
 
     _checked: frozenset[int] = frozenset()  # ids of the param groups whose layout was checked
-    collect_telemetry: bool = False
-    """Fill `self.telemetry` during `step()` (see the class docstring); set by the trainer."""
+    collect_telemetry: bool = False  # set by the trainer
     telemetry: dict[str, Tensor] = {}  # replaced, never mutated: each collecting step assigns a new dict
 
     @torch.no_grad()
@@ -55,7 +53,7 @@ class AdamW(compat.AdamWWithGroupLists):
         sums = Sums(("update", "momentum"), local_tensor(stepped[0]).device)
         by_group: dict[int, tuple[object, list[int]]] = {}
         for i, p in enumerate(stepped):
-            group = reduce_group(p)
+            group = shard_group(p).group
             by_group.setdefault(id(group), (group, []))[1].append(i)
         for group, idx in by_group.values():
             now = [local_tensor(stepped[i]) for i in idx]

@@ -1,12 +1,8 @@
-"""One bucket of 2-D matrices through Muon's step, in three parts, wherever the bucket's rows live:
-``prepare`` (momentum on this rank's rows, into the send buffer), ``orthogonalize`` (the owner's side:
-reassemble, normalise, Newton–Schulz, NorMuon's row factors, the rows back into the buffer) and
-``apply`` (weight decay and the scaled update on this rank's rows).
-
-Between them ``step_exchanged`` moves the buffers to the owners and back, pipelined: ``prefetch``
-buckets' forward all-to-alls are in flight while one bucket is orthogonalised, and a bucket's results
-are applied while later ones are still on their way. On a rank that holds its matrices whole (one
-GPU) the same buffer serves both sides, without an exchange (``muonrun.optim.local``).
+"""One bucket of 2-D matrices through Muon's step, wherever its rows live: ``prepare`` (this rank's
+rows), ``orthogonalize`` (the owner's side) and ``apply`` (this rank's rows again). Between them
+``step_exchanged`` moves the buffers to the owners and back, pipelined (``Muon.prefetch``). On a rank
+that holds its matrices whole (one GPU) the same buffer serves both sides, without an exchange
+(``muonrun.optim.local``).
 """
 
 from __future__ import annotations
@@ -24,21 +20,14 @@ from muonrun.optim.step import MuonStep
 from muonrun.optim.telemetry import sum_of_squares
 
 
-def prepare(step: MuonStep, part: Partition, bucket: Bucket, send: Tensor | None = None) -> Tensor:
-    """Momentum on local rows; writes the slabs (padding zeroed, NorMuon's v appended) to send, into
-    ``send`` (None: a new buffer), which it returns."""
-    if send is None:
-        send = torch.empty(bucket.send_numel, dtype=step.ns_dtype, device=part.device)
+def prepare(step: MuonStep, part: Partition, bucket: Bucket, send: Tensor) -> Tensor:
+    """Momentum on local rows; writes the slabs (padding zeroed, NorMuon's v appended) to send into
+    ``send`` (``send_numel`` elements), which it returns."""
     for gi, items in bucket.by_group:
         s = step.groups[gi]
-        bufs, grads, dsts = [], [], []
-        for it in items:
-            grad = it.param.grad
-            if grad.is_sparse:
-                raise RuntimeError("Muon does not support sparse gradients")
-            bufs.append(local_tensor(step.momentum_buffer(it.param)))
-            grads.append(local_tensor(grad))
-            dsts.append(local_view(send, it))
+        bufs = [local_tensor(step.momentum_buffer(it.param)) for it in items]
+        grads = [local_tensor(it.param.grad) for it in items]
+        dsts = [local_view(send, it) for it in items]
         step.passes.momentum((id(bucket), gi), bufs, grads, dsts, s.momentum, s.nesterov)
         if step.sums is not None:
             step.sums.add(part.shard.group, "momentum", sum_of_squares(bufs))
@@ -125,23 +114,20 @@ def local_view(buf: Tensor, it: Item) -> Tensor:
 
 def apply(step: MuonStep, part: Partition, bucket: Bucket, result: Tensor) -> None:
     """Weight decay and the scaled update on this rank's rows (NorMuon: and the new v)."""
-    views = {id(it): local_view(result, it) for it in bucket.items}
-    factors = {id(it): it.state_view(result, 1) for it in bucket.items} if part.normuon else {}
-    if step.sums is not None:  # what the step changes, before it changes it
-        deltas = []
-        for gi, rows, cols, items in bucket.by_update:
-            us = [views[id(it)] for it in items]
-            fs = [factors[id(it)] for it in items] if part.normuon else None
-            deltas += step.changes(gi, (rows, cols), [local_tensor(it.param) for it in items], us, fs)
-        step.sums.add(part.shard.group, "update", sum_of_squares(deltas))
-    params, updates, slots = [], [], []
+    params, updates, slots, factors, deltas = [], [], [], [], []
     for gi, rows, cols, items in bucket.by_update:
-        params += [local_tensor(it.param) for it in items]
-        updates += [views[id(it)] for it in items]
+        ps = [local_tensor(it.param) for it in items]
+        us = [local_view(result, it) for it in items]
+        fs = [it.state_view(result, 1) for it in items] if part.normuon else None
+        if step.sums is not None:  # what the step changes, before it changes it
+            deltas += step.changes(gi, (rows, cols), ps, us, fs)
+        params += ps
+        updates += us
+        factors += fs or []
         slots += [step.scalars.slots[(gi, rows, cols)]] * len(items)
-    row_factors = (
-        [factors[id(it)] for *_, items in bucket.by_update for it in items] if part.normuon else None
-    )
+    if step.sums is not None:
+        step.sums.add(part.shard.group, "update", sum_of_squares(deltas))
+    row_factors = factors if part.normuon else None
     step.passes.decay_and_update((id(bucket),), params, updates, step.scalars.passed, slots, row_factors)
     if part.normuon:
         vs = [local_tensor(step.second_moment(it.param)) for it in bucket.items]
@@ -155,7 +141,7 @@ def step_exchanged(step: MuonStep, part: Partition, prefetch: int) -> None:
     buckets = part.buckets
 
     def launch_forward(b: Bucket):
-        send = prepare(step, part, b)
+        send = prepare(step, part, b, torch.empty(b.send_numel, dtype=step.ns_dtype, device=part.device))
         recv = torch.empty(b.recv_numel, dtype=step.ns_dtype, device=part.device)
         work = dist.all_to_all_single(recv, send, b.recv_splits, b.send_splits, group=pg, async_op=True)
         step.stats["all_to_all"] += 1

@@ -46,8 +46,6 @@ def build_muon(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[t
     m = o.muon
     split = split_params(model, muon_patterns=m.muon_patterns, adamw_patterns=m.adamw_patterns)
     weight_decay = m.weight_decay if m.weight_decay is not None else o.weight_decay
-    # Stacked experts: one group per layout (matrices per expert slice, 2 for a fused gate_up_proj; stored
-    # [E, out, in] or [E, in, out]; gate and up apart or interleaved).
     groups = [{"params": [p for _, p in split.muon], "peak_lr": m.lr}]
     groups += [{**group, "peak_lr": m.lr} for group in split.expert_groups()]
     muon = Muon(

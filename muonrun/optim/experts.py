@@ -1,17 +1,15 @@
 """Muon on stacked expert weights: a mixture-of-experts layer's ``[E, out, in]`` parameter is a batch of
 E matrices (or 2E with a fused gate/up projection), each orthogonalised on its own.
 
-Where transformers stores them otherwise (``groups.ExpertLayout``: GPT-OSS, Llama4 and Aria keep
-``[E, in, out]``, GPT-OSS with gate and up interleaved), Muon reads and writes them through a strided
-view ``[E, k, out, in]`` of the parameter, its gradient and its momentum, so every matrix is
+Where transformers stores them otherwise (``groups.ExpertLayout``), Muon reads and writes them through
+a strided view ``[E, k, out, in]`` of the parameter, its gradient and its momentum, so every matrix is
 orthogonalised, scaled (``adjust_lr``) and row-normalised (NorMuon: one entry per output neuron) as the
 same ``[out, in]`` weight would be in the usual layout.
 
-FSDP2 shards dim 0, the expert dimension (``torch.chunk`` layout: ``ceil(E / W)`` experts per rank,
-the last ranks fewer or none), so a rank's local shard is a set of whole experts and the rank that
-holds an expert runs its Newton–Schulz: no exchange, unlike the row-sharded 2-D matrices
-(``muonrun.optim.sharding``). A chunk of stacked parameters steps as one of a rank's own units
-(``muonrun.optim.local``), Newton–Schulz on the whole chunk at once.
+FSDP2 shards dim 0, the expert dimension (``torch.chunk`` layout: the last ranks may hold none), so the
+rank that holds an expert runs its Newton–Schulz: no exchange, unlike the row-sharded 2-D matrices
+(``sharding``). A chunk of stacked parameters steps as one of a rank's own units (``local``),
+Newton–Schulz on the whole chunk at once.
 """
 
 from __future__ import annotations
@@ -23,11 +21,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from muonrun import compat
-from muonrun.distributed import local_tensor
+from muonrun.distributed import local_tensor, shard_group
 from muonrun.optim.groups import ExpertLayout
 from muonrun.optim.newton_schulz import normuon_row_scale
 from muonrun.optim.step import GroupSettings, MuonStep
-from muonrun.optim.telemetry import reduce_group, sum_of_squares
+from muonrun.optim.telemetry import sum_of_squares
 
 Chunk = Sequence[tuple[int, Tensor]]  # (param group index, stacked parameter), one group and local shape
 
@@ -82,36 +80,29 @@ def create_state(step: MuonStep, chunk: Chunk) -> None:
         for _, p in chunk:
             step.second_moment(p, s.layout)
     if step.sums is not None:
-        step.sums.add(reduce_group(chunk[0][1]), "momentum", sum_of_squares(bufs))
+        step.sums.add(shard_group(chunk[0][1]).group, "momentum", sum_of_squares(bufs))
 
 
-def stacked_momentum(step: MuonStep, chunk: Chunk, X: Tensor | None = None) -> Tensor:
+def stacked_momentum(step: MuonStep, chunk: Chunk, X: Tensor) -> Tensor:
     """Momentum and the Nesterov look-ahead of a chunk written in ``step.ns_dtype`` into ``X``
-    (``chunk_shape``; a new one where None), which it returns."""
+    (``chunk_shape``), which it returns."""
     gi = chunk[0][0]
     s = step.groups[gi]
     params = [p for _, p in chunk]
     bufs = [s.layout.matrices_of(local_tensor(step.momentum_buffer(p))) for p in params]
-    grads = []
-    for p in params:
-        if p.grad.is_sparse:
-            raise RuntimeError("Muon does not support sparse gradients")
-        grads.append(s.layout.matrices_of(local_tensor(p.grad)))
-    if X is None:
-        X = torch.empty(chunk_shape(step.groups, chunk), dtype=step.ns_dtype, device=grads[0].device)
+    grads = [s.layout.matrices_of(local_tensor(p.grad)) for p in params]
     updates = list(X.view(len(params), *grads[0].shape).unbind(0))
     key = ("experts", gi, s.layout, *grads[0].shape, len(params))
     step.passes.momentum(key, bufs, grads, updates, s.momentum, s.nesterov, strided=s.layout.strided)
     if step.sums is not None:
-        step.sums.add(reduce_group(params[0]), "momentum", sum_of_squares(bufs))
+        step.sums.add(shard_group(params[0]).group, "momentum", sum_of_squares(bufs))
     return X
 
 
 def stacked_update(step: MuonStep, chunk: Chunk, X: Tensor) -> None:
-    """The rest of a chunk's step from the look-ahead ``X`` that ``stacked_momentum`` wrote: each
-    matrix normalised (its norm folded into the first product where the Gram form applies, else a
-    pass), Newton–Schulz in one batch in place, NorMuon's row factors and ``v``, then weight decay and
-    the scaled update, NorMuon's factors applied in it."""
+    """The rest of a chunk's step from the look-ahead ``X`` that ``stacked_momentum`` wrote: Newton–Schulz
+    in one batch in place (``MuonStep.orthogonalize``), NorMuon's row factors and ``v``, then weight decay
+    and the scaled update."""
     gi = chunk[0][0]
     s = step.groups[gi]
     params = [p for _, p in chunk]
@@ -129,7 +120,7 @@ def stacked_update(step: MuonStep, chunk: Chunk, X: Tensor) -> None:
         row_factors = list(factor.view(len(params), *shape[:-1]).unbind(0))
     if step.sums is not None:  # what the step changes, before it changes it
         deltas = step.changes(gi, (rows, cols), locals_, updates, row_factors)
-        step.sums.add(reduce_group(params[0]), "update", sum_of_squares(deltas))
+        step.sums.add(shard_group(params[0]).group, "update", sum_of_squares(deltas))
     slots = [step.scalars.slots[(gi, rows, cols)]] * len(params)
     key = ("experts", gi, s.layout, *shape, len(params))
     step.passes.decay_and_update(

@@ -3,11 +3,10 @@ factors; the owner's Frobenius normalisation), fused by torch.compile on GPUs.
 
 Unfused, the momentum update, Nesterov look-ahead, bf16 cast, weight decay and scaled update read and
 write every matrix several times (about 48 bytes per fp32 element); fused, each group is one pass
-(about 24). The same Python runs eagerly or compiled. NorMuon's per-row factors ride in the update
-pass instead of a pass of their own. The normalisation takes a stack as the leading ``rows * cols``
-elements of each row of a contiguous ``[k, slab]`` tensor (``leading``): inductor writes a mutated
-*strided* input through a temporary and a copy, a slice of a contiguous one in place. Where
-compiling is not possible (a CPU, ``eager``, a compile that fails) the same ops run eagerly.
+(about 24). The same Python runs eagerly or compiled. The normalisation takes a stack as the leading
+``rows * cols`` elements of each row of a contiguous ``[k, slab]`` tensor: inductor writes a mutated
+*strided* input through a temporary and a copy, a slice of a contiguous one in place. Where compiling
+is not possible (a CPU, ``eager``, a compile that fails) the same ops run eagerly.
 """
 
 from __future__ import annotations
@@ -38,13 +37,12 @@ def decay_and_update(
     slots: Sequence[tuple[int, int]],
     row_factors: Sequence[Tensor] | None = None,
 ) -> None:
-    """``p = p * scalars[f] + scalars[a] * u`` for each parameter with its slots ``(f, a)``: the
-    decoupled decay ``1 - lr * wd`` and the scaled update ``-adjust_lr(lr)``. With host numbers,
-    torch's two foreach ops (a factor of 1 skipped); with a device tensor (compiled: the values change
-    every step without recompiling), the update widened to fp32 and scaled, in one pass when fused.
-    The two may round the scaled update differently: an eager and a compiled step agree to rounding.
-    ``row_factors`` (NorMuon): one fp32 factor per row of each update (``u.shape[:-1]``), applied to
-    the widened update in the same pass, so the Newton–Schulz result is never rescaled in memory."""
+    """``p = p * scalars[f] + scalars[a] * u`` for each parameter with its slots ``(f, a)`` (decay and
+    scale: ``step.UpdateScalars``). With host numbers, torch's two foreach ops (a factor of 1 skipped);
+    with a device tensor (compiled: the values change every step without recompiling), the update
+    widened to fp32 and scaled, in one pass when fused: an eager and a compiled step agree to rounding.
+    ``row_factors`` (NorMuon, ``with_row_factors``) apply to the widened update in the same pass, so
+    the Newton–Schulz result is never rescaled in memory."""
     runs: dict[tuple[int, int], list[int]] = {}
     for i, slot in enumerate(slots):
         runs.setdefault(slot, []).append(i)
@@ -72,28 +70,17 @@ def frobenius_divisors(X: Tensor, dim: tuple[int, ...], eps: float) -> Tensor:
     return torch.linalg.vector_norm(X, dim=dim).clamp_(min=eps)
 
 
-def leading(base: Tensor, rows: int, cols: int) -> Tensor:
-    """The stack ``[k, rows, cols]`` held in the first ``rows * cols`` elements of each row of
-    ``base`` ``[k, slab]`` (a view)."""
-    return base[:, : rows * cols].view(base.shape[0], rows, cols)
-
-
 def normalize_leading_(base: Tensor, rows: int, cols: int, eps: float) -> None:
-    """Each matrix of ``leading(base, rows, cols)`` divided by ``frobenius_divisors``, in place."""
-    X = leading(base, rows, cols)
+    """Each matrix of the stack ``[k, rows, cols]`` held in the first ``rows * cols`` elements of each
+    row of ``base`` ``[k, slab]`` divided by ``frobenius_divisors``, in place."""
+    X = base[:, : rows * cols].view(base.shape[0], rows, cols)
     X.div_(frobenius_divisors(X, (-2, -1), eps).view(-1, 1, 1))
 
 
-def fresh_code(fn: Callable) -> Callable:
-    """A copy of ``fn`` with its own code object: dynamo keeps one cache per code object."""
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-
-
 class Kernels:
-    """Functions compiled once per key (a fresh code object each, so no recompile limit to reach), or
-    run eagerly: where ``compiled`` is off, and after a compile fails (said once)."""
+    """Functions compiled once per key (each a copy with its own code object: dynamo keeps one cache, so
+    one recompile limit, per code object), or run eagerly: where ``compiled`` is off, and after a compile
+    fails (said once)."""
 
     def __init__(self, compiled: bool, backend: str | Callable = "inductor") -> None:
         self.compiled = compiled
@@ -108,9 +95,10 @@ class Kernels:
         compiled = self._fns.get(key)
         if compiled is None:
             extra = {"options": options()} if options and self.backend == "inductor" else {}
-            compiled = torch.compile(
-                fresh_code(fn), backend=self.backend, fullgraph=True, dynamic=False, **extra
+            fresh = types.FunctionType(
+                fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
             )
+            compiled = torch.compile(fresh, backend=self.backend, fullgraph=True, dynamic=False, **extra)
             self._fns[key] = compiled
         try:
             return compiled(*args)
@@ -138,10 +126,10 @@ class Passes(Kernels):
         self(("momentum", *key), momentum_into, bufs, grads, dsts, momentum, nesterov, options=options)
 
     def normalize(self, base: Tensor, rows: int, cols: int, eps: float) -> None:
-        """``normalize_leading_`` on an owned stack (``base`` contiguous ``[k, slab]``; compiled once
-        per layout, shared across buckets)."""
-        key = (*_layout("normalize", base), rows, cols)
-        self(key, normalize_leading_, base, rows, cols, eps)
+        """``normalize_leading_`` on an owned stack (``base`` contiguous ``[k, slab]``), compiled once per
+        layout (shape, strides, dtype) and shared across buckets: no recompiles, few compiles."""
+        layout = (tuple(base.shape), base.stride(), base.dtype)
+        self(("normalize", layout, rows, cols), normalize_leading_, base, rows, cols, eps)
 
     def decay_and_update(
         self,
@@ -153,9 +141,7 @@ class Passes(Kernels):
         row_factors: list | None = None,
         strided: bool = False,
     ) -> None:
-        """``decay_and_update`` on one bucket: ``scalars`` the step's ``step.UpdateScalars`` values
-        (a device tensor where compiled: new values every step, nothing recompiled), ``slots`` each
-        parameter's two; ``row_factors``: NorMuon's, one tensor per update."""
+        """``decay_and_update`` on one bucket, ``scalars`` from ``step.UpdateScalars.passed``."""
         options = compat.no_loop_reordering if strided else None
         args = (params, updates, scalars, tuple(slots), row_factors)
         self(("update", *key), decay_and_update, *args, options=options)
@@ -168,12 +154,6 @@ class Passes(Kernels):
         if backend is not None:
             return cls(True, backend)
         return cls(not eager and device is not None and can_compile(device))
-
-
-def _layout(name: str, *tensors: Tensor) -> tuple:
-    """A pass's key from its tensors' shapes, strides and dtypes: stacks of one shape share a
-    compiled pass across buckets (no recompilation, few compiles)."""
-    return (name, *((tuple(t.shape), t.stride(), t.dtype) for t in tensors))
 
 
 def can_compile(device: torch.device) -> bool:

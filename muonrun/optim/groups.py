@@ -10,12 +10,11 @@ name, never by ``ndim`` alone:
   Parameter and is listed here, once; ``ParamSplit.tied_lm_head`` is then True);
 - ``lm_head``: the output projection's weight when it is not tied (found with
   ``model.get_output_embeddings()`` when the model has it, else by the module name ``lm_head``);
-- ``experts``: stacked expert weights of a mixture-of-experts layer (3-D ``[E, out, in]``
-  parameters of a ``*Experts`` module, or ``[E, in, out]``: ``expert_layouts``): Muon orthogonalises
-  each expert's matrices on its own. Their stacked biases (GPT-OSS's ``*_bias`` ``[E, out]``) are biases.
-  The router (a ``*Router`` module's ``[E, H]`` weight) and the shared expert's gate (a one-output
-  Linear named ``shared_expert_gate``) are classifiers and go to ``other`` (AdamW); the shared expert's Linears are hidden
-  matrices like any other (``muon``);
+- ``experts``: stacked expert weights of a mixture-of-experts layer (3-D ``[E, out, in]`` parameters
+  of a ``*Experts`` module, or ``[E, in, out]``: ``expert_layouts``): Muon orthogonalises each expert's
+  matrices on its own. Their stacked biases (GPT-OSS's ``*_bias`` ``[E, out]``) are biases. The router
+  (a ``*Router`` module's ``[E, H]`` weight) and the shared expert's gate (``shared_expert_gate``) are
+  classifiers (``other``); the shared expert's Linears are hidden matrices like any other (``muon``);
 - ``norm_bias``: norm weights, biases and every other parameter with fewer than 2 dims;
 - ``other``: any remaining parameter with 2+ dims that is not a Linear weight (custom
   ``nn.Parameter`` matrices, conv kernels, matrices forced to AdamW by a pattern). AdamW, with decay.
@@ -102,7 +101,7 @@ def expert_layout(module: nn.Module, param_name: str) -> ExpertLayout:
     it on modules it wraps with ``use_experts_implementation`` (``is_transposed``, ``is_concatenated``);
     an undeclared one (Llama4's) is read from where its hidden size sits in ``down_proj`` or
     ``gate_up_proj``."""
-    k = matrices_per_expert(param_name)
+    k = 2 if param_name.rsplit(".", 1)[-1] == "gate_up_proj" else 1  # ExpertLayout.matrices
     interleaved = k > 1 and getattr(module, "is_concatenated", True) is False
     return ExpertLayout(k, _stored_transposed(module), interleaved)
 
@@ -118,12 +117,6 @@ def _stored_transposed(module: nn.Module) -> bool:
             # [E, out, in]: the hidden size is down_proj's out (dim 1) and gate_up_proj's in (dim 2)
             return (p.shape[1] == hidden) != out_is_hidden
     return False
-
-
-def matrices_per_expert(param_name: str) -> int:
-    """How many matrices one expert's slice of a stacked parameter holds: 2 for transformers' fused
-    `gate_up_proj` (the gate's and the up projection's), 1 otherwise."""
-    return 2 if param_name.rsplit(".", 1)[-1] == "gate_up_proj" else 1
 
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -148,7 +141,7 @@ class ParamSplit:
     other: Named = field(default_factory=list)
     tied_lm_head: bool = False
     expert_layouts: dict[str, ExpertLayout] = field(default_factory=dict)
-    """How each parameter in ``experts`` holds its matrices (``experts.ExpertLayout``), by name."""
+    """How each parameter in ``experts`` holds its matrices (``ExpertLayout``), by name."""
 
     GROUPS = ("muon", "embedding", "lm_head", "experts", "norm_bias", "other")
 
@@ -168,8 +161,8 @@ class ParamSplit:
         return self.norm_bias
 
     def expert_groups(self) -> list[dict]:
-        """Muon param groups for ``experts``: one per layout (``experts.ExpertLayout.group_keys``), in the
-        order the layouts first appear."""
+        """Muon param groups for ``experts``: one per layout (``ExpertLayout.group_keys``), in the order
+        the layouts first appear."""
         by_layout: dict[ExpertLayout, list] = {}
         for name, p in self.experts:
             by_layout.setdefault(self.expert_layouts[name], []).append(p)
@@ -215,11 +208,9 @@ def split_params(
     muon_patterns: Iterable[str] | None = None,
     adamw_patterns: Iterable[str] | None = None,
 ) -> ParamSplit:
-    """Split ``model``'s trainable parameters into Muon / embedding / LM head / norm+bias / other.
-
-    Each trainable parameter lands in exactly one group (one branch of the chain below). Raises
-    UserError if a pattern forces a non-2-D parameter into Muon or a parameter matches both pattern lists.
-    """
+    """Split ``model``'s trainable parameters by the rules above, each into one group (one branch of the
+    chain below). Raises UserError if a pattern forces a non-2-D parameter into Muon, a parameter
+    matches both pattern lists, or a pattern matches no parameter."""
     muon_patterns = list(muon_patterns or [])
     adamw_patterns = list(adamw_patterns or [])
 

@@ -1,16 +1,14 @@
 """The matrices a rank steps on its own, in units, and their CUDA graph.
 
 A unit is a bucket of a one-rank shard group (every bucket on one GPU) or a chunk of stacked experts
-the rank holds (``muonrun.optim.experts``). Its step is ``start`` (the momentum pass, which reads the
-gradients, into a buffer) then ``finish`` (normalisation, Newton–Schulz, NorMuon's rows, decay and
-update, all from that buffer and the step's ``UpdateScalars``).
+the rank holds (``muonrun.optim.experts``); its step is ``start`` then ``finish``.
 
 On GPUs everything after ``start`` is replayed from a CUDA graph (``StepGraph``): Muon launches many
 kernels per bucket, and where the host cannot keep ahead of the GPU (small models) each launch costs
 step time (docs/performance.md). Three things stay out of the graph:
 
-- the momentum pass, which reads the gradients FSDP2 allocates anew every step; it writes into the
-  graph's own ``buffers``, where the graph's work begins;
+- the momentum pass (``start``), which reads the gradients FSDP2 allocates anew every step; it writes
+  into the graph's own ``buffers``, where the graph's work begins;
 - the step's learning-rate-dependent numbers, copied every step into the device tensor the graph
   reads (``scalars``);
 - matrices exchanged between ranks, and steps that collect telemetry: they run eagerly.
@@ -36,7 +34,6 @@ from muonrun.optim.experts import chunk_shape, stacked_momentum, stacked_update
 from muonrun.optim.step import MuonStep
 
 STREAMS = 3
-"""CUDA streams a graph's independent stacks run on (the same results as one, bit for bit)."""
 
 
 class StepGraph:
@@ -173,16 +170,19 @@ def buffer_for(step: MuonStep, unit: Unit) -> Tensor:
 
 
 def start(step: MuonStep, unit: Unit, buf: Tensor | None = None) -> Tensor:
-    """``unit``'s momentum pass into ``buf`` (None: a new one), which it returns."""
+    """``unit``'s momentum pass, which reads the gradients, into ``buf`` (None: a new one), which it
+    returns."""
     part, what = unit
+    buf = buffer_for(step, unit) if buf is None else buf
     if part is None:
         return stacked_momentum(step, what, buf)
     return prepare(step, part, what, buf)
 
 
 def finish(step: MuonStep, unit: Unit, buf: Tensor, lanes: Lanes = NO_LANES) -> None:
-    """The rest of ``unit``'s step from what ``start`` wrote into ``buf``: each stack on a lane of
-    ``lanes``, the update after them."""
+    """The rest of ``unit``'s step (normalisation, Newton–Schulz, NorMuon's rows, decay and update) from
+    what ``start`` wrote into ``buf`` and the step's ``UpdateScalars``: each stack on a lane of ``lanes``,
+    the update after them."""
     part, what = unit
     if part is None:
         with lanes.lane():

@@ -4,9 +4,6 @@ The papers behind the algorithm, its iteration, NorMuon and the lr scalings are 
 ``muonrun.optim.newton_schulz``; decoupled weight decay is Moonlight's (J. Liu et al., arXiv:2502.16982),
 the exchange's "owner computes" layout Dion's (K. Ahn et al., arXiv:2504.13074).
 
-Muon is for the *hidden* 2-D matrices (the Linear weights inside the transformer blocks) and stacked
-expert weights; ``groups.split_params`` sends embeddings, the LM head, norms and biases to AdamW.
-
 Reference semantics
 -------------------
 With the same arguments and gradients, :class:`Muon` gives the parameters ``torch.optim.Muon`` gives
@@ -22,13 +19,11 @@ With the same arguments and gradients, :class:`Muon` gives the parameters ``torc
 
 How a step runs
 ---------------
-``Muon.step`` builds a ``step.MuonStep`` (this step's settings, the state it updates, its counters)
-and hands it to the paths: matrices sharded over several ranks go to their owner rank and back
-(``sharding`` plans, ``buckets`` runs each bucket and the exchange); a rank's own matrices (one GPU;
-stacked experts, ``experts``) step in ``local``, replayed from a CUDA graph on GPUs; the elementwise
-passes compile on GPUs (``fused``). ``eager=True`` launches the GPU
-step kernel by kernel, for debugging. State: one ``momentum_buffer`` per matrix laid out like the
-parameter (NorMuon: a fp32 ``second_moment`` per row), on every rank, so DCP saves and reshards it.
+``Muon.step`` hands a ``step.MuonStep`` to the paths: matrices sharded over several ranks go to their
+owner rank and back (``sharding`` plans, ``buckets`` runs each bucket and the exchange); a rank's own
+matrices (one GPU; stacked experts, ``experts``) step in ``local``, from a CUDA graph on GPUs; the
+elementwise passes compile on GPUs (``fused``). State, on every rank and laid out like the parameter
+(so DCP saves and reshards it): ``momentum_buffer``; NorMuon: a fp32 ``second_moment`` per row.
 """
 
 from __future__ import annotations
@@ -73,39 +68,36 @@ TORCH_NS_ARGS = {"ns_coefficients": DEFAULT_NS_COEFFICIENTS, "eps": DEFAULT_EPS,
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for hidden 2-D matrices: plain tensors, FSDP2 (Shard(0)) and HSDP DTensors, and stacked
-    experts. ``muonrun pretrain`` builds it with these defaults (``optim.build``).
+    """Muon for hidden 2-D matrices (the Linear weights inside the transformer blocks; ``split_params``
+    sends the rest to AdamW): plain tensors, FSDP2 (Shard(0)) and HSDP DTensors, and stacked experts.
+    ``muonrun pretrain`` builds it with these defaults (``optim.build``).
 
     Arguments mirror ``torch.optim.Muon`` (same defaults and bf16 sequence; ``ns_coefficients`` may
-    also be one triple per iteration; ``adjust_lr_fn`` also takes ``"spectral"``, ``lr * sqrt(A/B)``).
-    Extra, keyword-only:
+    also be one triple per iteration; ``adjust_lr_fn`` also takes ``"spectral"``). Extra, keyword-only:
 
-    - ``gram``: Newton–Schulz in its Gram form on matrices at least 1.5x wider than tall: about half
-      the FLOPs on MLP matrices, the same training (``NewtonSchulz``);
+    - ``gram``: Newton–Schulz in its Gram form (``NewtonSchulz.gram``), the same training;
     - ``variant`` (per group): ``"muon"`` or ``"normuon"``, with ``beta2`` (the EMA of each row's second
       moment) and ``normuon_eps``;
-    - ``newton_schulz``: the iteration itself, instead of the one built from ``ns_coefficients``,
-      ``eps``, ``ns_steps`` and ``gram`` (how a study tries another);
+    - ``newton_schulz``: the iteration itself, instead of ``ns_coefficients``, ``eps``, ``ns_steps``
+      and ``gram`` (how a study tries another);
     - ``ns_dtype``: bf16 or fp32 for Newton–Schulz and the exchange (None: ``ns_dtype_for`` the device);
     - ``eager``: launch the GPU step kernel by kernel, for debugging;
-    - ``bucket_numel``: full-matrix elements per communication/Newton–Schulz bucket (about 4 bytes per
-      element of transient memory on its owner).
+    - ``bucket_numel``: full-matrix elements per bucket (``sharding._pack``; about 4 bytes of transient
+      memory per element on its owner).
 
     Each parameter's shard group comes from its DTensor's mesh. ``self.stats`` counts matrices
-    orthogonalised (``"orthogonalized"``, ``"gram"``) and all-to-alls issued. With
-    ``collect_telemetry = True`` each step fills ``self.telemetry`` with 0-d device tensors, global
-    over the shard group (one small all-reduce, no host sync): ``update_rms`` (what the step changed,
-    decay included), ``momentum_norm``, ``ortho_residual`` (``||O O^T - I||_F / sqrt(m)`` of the first
-    matrix orthogonalised).
+    orthogonalised (``"orthogonalized"``, ``"gram"``) and all-to-alls issued. ``collect_telemetry``
+    fills ``self.telemetry`` every step (``muonrun.optim.telemetry``): ``update_rms`` (what the step
+    changed, decay included), ``momentum_norm``, ``ortho_residual`` (``orthogonality_residual`` of the
+    first matrix orthogonalised).
     """
 
     prefetch = 2
-    """Buckets whose forward all-to-all is in flight ahead of the one being orthogonalised: with two,
-    bucket b+1's exchange runs under bucket b's Newton–Schulz; one gives no overlap; more only keep
-    more buffers alive. Tests set it on an instance to exercise other pipeline depths."""
+    """Buckets whose forward all-to-all is in flight ahead of the one being orthogonalised (``buckets``):
+    with two, bucket b+1's exchange runs under bucket b's Newton–Schulz; one gives no overlap; more only
+    keep more buffers alive. Tests set it on an instance to exercise other pipeline depths."""
 
-    collect_telemetry: bool = False
-    """Fill ``self.telemetry`` during ``step()`` (see the class docstring); set by the trainer."""
+    collect_telemetry: bool = False  # set by the trainer
 
     compile_backend = None
     """Tests: a torch.compile backend (name or callable) for the elementwise passes on any device."""
@@ -264,6 +256,8 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         groups = [GroupSettings.of(group) for group in self.param_groups]
+        if any(p.grad is not None and p.grad.is_sparse for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("Muon does not support sparse gradients")
         plan = self._get_plan(groups)
         stacked = [
             (gi, p)

@@ -6,8 +6,7 @@
 owns the iteration's small elementwise kernels (the folded norm's scale, the split restart's splits),
 compiled per shape on GPUs. Every tensor is a stack ``[k, r, c]``; "symmetric" inputs are symmetric
 in exact arithmetic (Gram matrices and polynomials in one, which commute): an implementation may read
-one triangle of them and must return a full, contiguous result. ``ns_quack.QuackProducts`` computes
-the symmetric results on quack's symmetric GEMM (Hopper GPUs with ``[quack]``: ``default_products``).
+one triangle of them and must return a full, contiguous result (``ns_quack.QuackProducts`` does).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ SYMMETRIC_MIN_SIZE = 512
 
 
 def _scale(T: Tensor, f: Tensor) -> None:
-    """``T *= f`` in place (``f`` broadcast), computed in fp32 and rounded once into ``T``'s dtype."""
     T.mul_(f)
 
 
@@ -46,7 +44,6 @@ def _split_sum(S: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 _KERNELS = Kernels(compiled=True)
-"""The iteration's small elementwise kernels, compiled per shape and dtype for CUDA tensors."""
 
 
 def _kernel(fn: Callable, T: Tensor, other, compiled: bool, options: Callable[[], dict] | None = None):
@@ -114,11 +111,10 @@ class Products:
         return mm_fp32(Z, Z.mT)
 
     def regram(self, Q: Tensor, R0: Tensor) -> Tensor:
-        """``Q R0 Q^T``, the Gram matrix of ``Q X`` for ``R0 = X X^T`` held in fp32 as two bf16
-        halves side by side, ``[hi | lo]`` ``[k, m, 2m]`` (``split``): a new symmetric ``[k, m, m]``
-        in ``Q``'s dtype. ``S = Q R0`` is formed in fp32 (``[Q hi | Q lo]``, one product) and split
-        the same way, so every product has bf16 operands and the result keeps about 16 bits of each
-        factor, not 8 (``gram_iterations``' split restart)."""
+        """``Q R0 Q^T``, the Gram matrix of ``Q X`` for ``R0 = X X^T`` held as ``[hi | lo]`` (``split``),
+        for ``gram_iterations``' split restart: a new symmetric ``[k, m, m]`` in ``Q``'s dtype. ``S = Q
+        R0`` is formed in fp32 (``[Q hi | Q lo]``, one product) and split the same way, so every product
+        has bf16 operands and the result keeps about 16 bits of each factor, not 8."""
         S_hi, S_lo = self.split_sum(mm_fp32(Q, R0), Q.dtype)  # Q R0 is not symmetric: a whole product
         return self.split_times(S_hi, S_lo, Q)
 
@@ -133,7 +129,8 @@ class Products:
         return torch.bmm(A, B)
 
     def scale(self, T: Tensor, f: Tensor) -> None:
-        """``T *= f`` in place, in fp32 math rounded once: a folded norm applied to a small product."""
+        """``T *= f`` in place (``f`` broadcast), in fp32 rounded once into ``T``'s dtype: a folded norm
+        applied to a small product."""
         _kernel(_scale, T, f, self.compiled)
 
     def split(self, T: Tensor, dtype: torch.dtype) -> Tensor:

@@ -3,11 +3,8 @@
 ``quack.gemm_interface.gemm_symmetric`` (Dao-AILab's quack-kernels, CuTe DSL) computes ``alpha A B +
 beta C`` for a symmetric result on a triangular tile schedule: only tiles on and above the diagonal
 are computed, each epilogue also writing its transpose; each entry is the same bf16-input,
-fp32-accumulated dot product as cuBLAS's. It serves the Gram matrix, the polynomial in it and the
-Gram form's products of commuting polynomials; the standard form's ``a X + B X`` runs on quack's
-plain GEMM with ``a X`` in its epilogue; ``B X`` stays cuBLAS's. On Hopper each product runs on the
-tiles measured fastest for it (``hopper_tiles``). Why a library kernel: torch has no symmetric
-(syrk-like) product, and hand-written triangle kernels did not beat cuBLAS (docs/performance.md).
+fp32-accumulated dot product as cuBLAS's. Why a library kernel: torch has no symmetric (syrk-like)
+product, and hand-written triangle kernels did not beat cuBLAS (docs/performance.md).
 
 ``pip install 'muonrun[quack]'``; Muon takes it on Hopper GPUs (``default_products``). The first
 step compiles a few kernels (CuTe DSL JIT).
@@ -23,21 +20,14 @@ from torch import Tensor
 
 from muonrun.optim.ns_products import SYMMETRIC_MIN_SIZE, TORCH_PRODUCTS, Products
 
-__all__ = ["QuackProducts", "default_products", "hopper_tiles", "quack_installed"]
+__all__ = ["QuackProducts", "default_products"]
 
-# (tile_M, tile_N, cluster_M, pingpong) on Hopper. The symmetric products' clusters stay square, as
-# the triangular schedule needs: 128 x 128 pingpong tiles for the polynomials and below side 1024,
-# quack's interface's 128 x 256 tiles in clusters of two for the larger Gram matrices and products
-# of polynomials; the plain GEMM of ``apply_add`` on quack's default Hopper tiles.
+# (tile_M, tile_N, cluster_M, pingpong) on Hopper, the faster ones measured on an H200. The symmetric
+# products' clusters stay square, as the triangular schedule needs: 128 x 128 pingpong tiles for the
+# polynomials and below side 1024 (``m``, the result's rows on the wide orientation), quack's
+# interface's 128 x 256 tiles in clusters of two for the larger Gram matrices and products of
+# polynomials; the plain GEMM of ``apply_add`` on quack's default Hopper tiles.
 _SMALL, _LARGE, _PLAIN = (128, 128, 1, True), (128, 256, 2, False), (128, 192, 2, True)
-
-
-def hopper_tiles(product: str, m: int) -> tuple[int, int, int, bool]:
-    """The tile configuration of one product (``gram``, ``poly``, ``sym_mm``, ``apply_add``) whose
-    result has ``m`` rows on the wide orientation, on Hopper (the faster ones measured on an H200)."""
-    if product == "apply_add":
-        return _PLAIN
-    return _SMALL if product == "poly" or m < 1024 else _LARGE
 
 
 def _tma_ready(*tensors: Tensor | None) -> bool:
@@ -54,9 +44,10 @@ def _tma_ready(*tensors: Tensor | None) -> bool:
 
 
 class QuackProducts(Products):
-    """``Products`` whose symmetric results, and the standard form's ``a X + B X``, come from quack's
-    GEMMs for CUDA bf16 stacks of side ``m >= min_size``; everything else, and ``apply`` always, is
-    torch's (the base class)."""
+    """``Products`` whose symmetric results (the Gram matrix, the polynomial in it, the Gram form's
+    products of commuting polynomials), and the standard form's ``a X + B X`` (quack's plain GEMM, ``a
+    X`` in its epilogue), come from quack for CUDA bf16 stacks of side ``m >= min_size``; everything
+    else, and ``apply`` (``B X``) always, is torch's (the base class)."""
 
     name = "quack's symmetric products (one triangle of each symmetric result)"
 
@@ -66,11 +57,9 @@ class QuackProducts(Products):
         from quack.gemm_interface import gemm_symmetric
         from quack.gemm_symmetric import gemm_symmetric as gemm_symmetric_tiled
 
-        self._gemm, self._gemm_symmetric, self._gemm_symmetric_tiled = (
-            gemm,
-            gemm_symmetric,
-            gemm_symmetric_tiled,
-        )
+        self._gemm = gemm
+        self._gemm_symmetric = gemm_symmetric
+        self._gemm_symmetric_tiled = gemm_symmetric_tiled
         self.min_size = min_size
         self._hopper: dict[int, bool] = {}
 
@@ -101,7 +90,7 @@ class QuackProducts(Products):
             return self._gemm_symmetric(A, B, C=C, alpha=alpha, beta=beta, out_dtype=dtype)
         m = A.shape[-2]
         out = torch.empty(A.shape[0], m, m, dtype=dtype or A.dtype, device=A.device)
-        tile_m, tile_n, cluster_m, pingpong = hopper_tiles(product, m)
+        tile_m, tile_n, cluster_m, pingpong = _SMALL if product == "poly" or m < 1024 else _LARGE
         self._gemm_symmetric_tiled(
             A, B.mT, out, C, None, tile_M=tile_m, tile_N=tile_n, cluster_M=cluster_m, cluster_N=1,
             pingpong=pingpong, persistent=True, is_dynamic_persistent=False, alpha=alpha, beta=beta,
@@ -141,7 +130,7 @@ class QuackProducts(Products):
             return super().apply_add(B, Y, a, tall, out)
         left, right = (Y, B.mT) if tall else (B, Y)  # a Y + left @ right
         out = torch.empty_like(Y) if out is None else out
-        tile_m, tile_n, cluster_m, pingpong = hopper_tiles("apply_add", B.shape[-1])
+        tile_m, tile_n, cluster_m, pingpong = _PLAIN
         self._gemm(
             left, right.mT, out, Y, None, tile_M=tile_m, tile_N=tile_n, cluster_M=cluster_m, cluster_N=1,
             pingpong=pingpong, persistent=True, is_dynamic_persistent=False, alpha=1.0, beta=a,
@@ -149,16 +138,11 @@ class QuackProducts(Products):
         return out
 
 
-def quack_installed() -> bool:
-    """Whether quack-kernels (``pip install 'muonrun[quack]'``) can be imported, without importing it."""
-    return importlib.util.find_spec("quack") is not None
-
-
 def default_products(device_type: str) -> Products:
     """quack's symmetric products on Hopper GPUs (compute capability 9.x) where quack-kernels is
     installed, where they are measured faster than cuBLAS's whole products (docs/performance.md); torch's
     everywhere else. An installed quack that fails to import is warned about, not fatal."""
-    if device_type != "cuda" or not quack_installed() or not torch.cuda.is_available():
+    if device_type != "cuda" or importlib.util.find_spec("quack") is None or not torch.cuda.is_available():
         return TORCH_PRODUCTS
     if torch.cuda.get_device_capability()[0] != 9:
         return TORCH_PRODUCTS

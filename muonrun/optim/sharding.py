@@ -6,8 +6,7 @@ shard group, by one owner rank:
 
 1. momentum / Nesterov run elementwise on each rank's own rows;
 2. same-shaped matrices are grouped and packed into buckets ("megabatches"); every matrix gets an
-   owner so that the ranks' Newton–Schulz FLOPs are balanced (``assign_owners`` on
-   ``NewtonSchulz.flops``);
+   owner so that the ranks' Newton–Schulz FLOPs are balanced (``assign_owners``);
 3. one ``all_to_all_single`` per bucket sends every rank's rows of matrix j (padded to ``c`` rows;
    NorMuon: with the rows' fp32 ``v`` appended bit for bit) to j's owner;
 4. the owner reassembles its matrices and runs one batched Newton–Schulz per shape (NorMuon: then
@@ -24,7 +23,7 @@ column shard, or of a row-wise layer's column block): each rank then holds a rec
 run of rows. The exchange is the same, over the group of all the axes that split it
 (``distributed.shard_group``): every rank's rectangle of matrix j travels to j's owner, which places
 each where it belongs (``Item.blocks``, gathered once when the plan is built) and sends the result's
-rectangles back. ``Partial`` placements (pending sums) are refused with a ``ValueError``.
+rectangles back.
 """
 
 from __future__ import annotations
@@ -72,9 +71,8 @@ def shard_info(p: Tensor, name: str) -> ShardInfo:
     group = shard_group(p)
     if group.world == 1:
         return LOCAL
-    rows_only = [type(p.placements[a]) for a in group.axes] == [Shard] and p.placements[
-        group.axes[0]
-    ].dim == 0
+    splits = [p.placements[a] for a in group.axes]
+    rows_only = [type(pl) for pl in splits] == [Shard] and splits[0].dim == 0
     return ShardInfo(group.group, group.world, group.rank, rows_only)
 
 
@@ -105,7 +103,7 @@ class Item:
     blocks: tuple[Block, ...] | None = None
     """Each rank's rectangle of the matrix, by rank of the shard group, where it is split into
     rectangles; None: by rows, ``chunk`` each (``torch.chunk``)."""
-    corner: tuple[int, int] = (0, 0)  # this rank's first row and column (until ``blocks`` are known)
+    own: Block = (0, 0, 0, 0)  # this rank's rectangle, until ``blocks`` are known
 
     def __post_init__(self) -> None:
         self.local_cols = self.local_cols or self.cols
@@ -125,16 +123,16 @@ class Item:
         return -(-self.block // x) * x
 
     def state_view(self, buf: Tensor, index: int = 0) -> Tensor:
-        """This rank's rows' ``index``-th fp32 per-row value inside an exchange buffer laid out by the
-        plan: the state region holds each value of all ``chunk`` rows in turn (NorMuon: its ``v``,
-        then the row factor the owner sends back)."""
+        """This rank's rows' ``index``-th fp32 per-row value (``ROW_VALUES``) in an exchange buffer laid
+        out by the plan; the state region holds each value of all ``chunk`` rows in turn."""
         per_row = 4 // buf.element_size()  # buffer elements per fp32 value
         start = self.offset + self.state_at + index * self.chunk * per_row
         return buf[start : start + self.local_rows * per_row].view(torch.float32)
 
     @property
     def slab(self) -> int:
-        """Elements of one rank's slab: its part (padded to ``block``) and its rows' per-row state."""
+        """Elements of one rank's slab: its part (padded to ``block``) and its rows' per-row state (a
+        multiple of ``row_state``, so every slab's state region in a bucket starts aligned)."""
         return self.state_at + self.chunk * self.row_state if self.row_state else self.block
 
 
@@ -188,8 +186,8 @@ class Entry:
 
 
 def build_plan(entries: Sequence[Entry], bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> list[Partition]:
-    """The plan for these matrices: partitions, their buckets and every offset. Every rank of a
-    shard group must call it with the same matrices: ``verify_plan`` all-reduces once to check."""
+    """The plan for these matrices: partitions, their buckets and every offset (the same on every rank
+    of a shard group: ``verify_plan``)."""
     plan = []
     for part, by_shape in _collect(entries):
         buckets = _pack(by_shape, bucket_numel)
@@ -203,12 +201,9 @@ def build_plan(entries: Sequence[Entry], bucket_numel: int = DEFAULT_BUCKET_NUME
 
 
 def _collect(entries: Sequence[Entry]) -> list[tuple[Partition, dict[tuple[int, int], list[Item]]]]:
-    """Group the matrices into partitions, and by shape inside each (in parameter order).
-
-    One partition per (shard group, NorMuon's settings): an all-to-all runs over one process group
-    and a batched NorMuon normalisation with one setting; same-shaped matrices batch together (split
-    the same way: a row-wise layer's rectangles are not a column-wise one's of the same shape).
-    """
+    """The matrices by partition, one per shard group and NorMuon setting (an all-to-all runs over one
+    process group, a batched NorMuon normalisation with one setting), and by shape inside each, in
+    parameter order (split the same way: a row-wise layer's rectangles are not a column-wise one's)."""
     partitions: dict[tuple, tuple[Partition, dict[tuple[int, int], list[Item]]]] = {}
     for e in entries:
         info = shard_info(e.param, e.name)
@@ -230,8 +225,9 @@ def _item(e: Entry, info: ShardInfo) -> Item:
         return Item(e.param, e.group_index, rows, cols, chunk=rows, local_rows=rows)
     local = local_tensor(e.param)
     if not info.rows_only:  # a rectangle: its place is gathered with the others' (``_gather_blocks``)
-        (n_rows, n_cols), corner = compat.local_shape_and_offset(e.param)
-        return Item(e.param, e.group_index, rows, cols, n_rows, n_rows, local_cols=n_cols, corner=corner)
+        (n_rows, n_cols), (r0, c0) = compat.local_shape_and_offset(e.param)
+        own = (r0, r0 + n_rows, c0, c0 + n_cols)
+        return Item(e.param, e.group_index, rows, cols, n_rows, n_rows, local_cols=n_cols, own=own)
     n_local = local_rows(rows, info.world, info.rank)
     if local.shape[0] != n_local or local.shape[1] != cols:
         raise ValueError(
@@ -244,14 +240,7 @@ def _item(e: Entry, info: ShardInfo) -> Item:
 def _gather_blocks(part: Partition, items: list[Item]) -> None:
     """Every rank's rectangle of each matrix (``Item.blocks``), by rank of the shard group: one
     all-gather when the plan is built. ``chunk`` becomes the most rows any rank holds."""
-    mine = torch.tensor(
-        [
-            [it.corner[0], it.corner[0] + it.local_rows, it.corner[1], it.corner[1] + it.local_cols]
-            for it in items
-        ],
-        dtype=torch.int64,
-        device=part.device,
-    ).reshape(-1, 4)
+    mine = torch.tensor([it.own for it in items], dtype=torch.int64, device=part.device).reshape(-1, 4)
     every = [torch.empty_like(mine) for _ in range(part.shard.world)]
     dist.all_gather(every, mine, group=part.shard.group)
     for i, it in enumerate(items):
@@ -260,16 +249,13 @@ def _gather_blocks(part: Partition, items: list[Item]) -> None:
 
 
 def assign_owners(buckets: Sequence[Sequence[Item]], world: int) -> None:
-    """Give every matrix an owner so that Newton–Schulz FLOPs (``Item.cost``) are balanced per rank.
-
-    Deterministic greedy (longest processing time first): the largest matrix first, onto the rank
-    with the least work so far, then the least in the matrix's bucket, then the lowest rank. Equal
-    matrices are thus dealt in turn within each bucket, and the smaller shapes fill in where a
-    shape's count does not divide by the world size, which dealing each shape round-robin cannot. The
-    pipelined exchange lets a rank run ahead into the next
-    bucket, so the whole step's balance is what counts first. Depends on shapes alone, so every rank
-    computes the same owners.
-    """
+    """Give every matrix an owner so that Newton–Schulz FLOPs (``Item.cost``) are balanced per rank:
+    deterministic greedy (longest processing time first), the largest matrix first, onto the rank with
+    the least work so far (the whole step's first: the pipelined exchange lets a rank run ahead into the
+    next bucket), then the least in the matrix's bucket, then the lowest rank. Equal matrices are thus
+    dealt in turn within each bucket, and smaller shapes fill in where a shape's count does not divide
+    by the world size, which dealing each shape round-robin cannot. Depends on shapes alone, so every
+    rank computes the same owners."""
     total = [0] * world
     loads = [[0] * world for _ in buckets]
     order = sorted(
@@ -307,11 +293,9 @@ def owner_flops(
 
 def _pack(by_shape: dict[tuple, list[Item]], bucket_numel: int) -> list[list[Item]]:
     """Each shape's matrices in runs that fit a bucket (one matrix at least), the runs in order into
-    buckets, a new one opened where the next run would overflow it.
-
-    Bigger buckets mean fewer, larger collectives and batched matmuls; the bound caps the transient
-    memory (send and receive buffers, the owner's reassembled matrices) of a bucket.
-    """
+    buckets, a new one opened where the next run would overflow it. Bigger buckets mean fewer, larger
+    collectives and batched matmuls; the bound caps a bucket's transient memory (send and receive
+    buffers, the owner's reassembled matrices)."""
     buckets: list[list[Item]] = [[]]
     numel = 0
     for (rows, cols, *_), items in by_shape.items():
@@ -327,15 +311,11 @@ def _pack(by_shape: dict[tuple, list[Item]], bucket_numel: int) -> list[list[Ite
 
 
 def _lay_out(items: list[Item], shard: ShardInfo) -> Bucket:
-    """Offsets and splits of one bucket's exchange, and what this rank owns in it.
-
-    Items are sorted by owner, then shape (stable, so parameter order holds inside): each
-    destination's rows are then one contiguous send split, and on the owner the same-shaped
-    matrices from one source are adjacent, so one batched Newton–Schulz reads them in place. Every
-    source sends an owner the same layout, so all receive splits are equal. A slab that carries
-    per-row state (``Item.row_state``) is a multiple of ``row_state`` elements, so every state
-    region starts aligned for its fp32 view.
-    """
+    """Offsets and splits of one bucket's exchange, and what this rank owns in it. Items are sorted by
+    owner, then shape (stable: parameter order inside), so each destination's rows are one contiguous
+    send split and an owner's same-shaped matrices from one source are adjacent (one batched
+    Newton–Schulz reads them in place). Every source sends an owner the same layout: all receive
+    splits are equal."""
     world, me = shard.world, shard.rank
     shape_rank = {s: k for k, s in enumerate(dict.fromkeys(_stack_key(it) for it in items))}
     items = sorted(items, key=lambda it: (it.owner, shape_rank[_stack_key(it)]))
@@ -404,12 +384,10 @@ def scatter_rows(dst: Tensor, src: Tensor, c: int) -> None:
 
 
 def verify_plan(part: Partition, buckets: Sequence[Sequence[Item]]) -> None:
-    """Check that every rank of a shard group is about to build the same buckets.
-
-    A rank with a different plan would send parts to the wrong owner or hang in a collective, so this
-    runs whenever a plan is built, before anything else is exchanged: the optimizer's only host
-    synchronisation, normally once, at the first step.
-    """
+    """Check that every rank of a shard group is about to build the same buckets: a rank with another
+    plan would send parts to the wrong owner or hang in a collective. It runs whenever a plan is built,
+    before anything is exchanged: the optimizer's only host synchronisation, normally once, at the
+    first step."""
     if part.shard.group is None:
         return
     # Python hashes ints and tuples of them the same in every process (PYTHONHASHSEED is for strings)

@@ -1,10 +1,5 @@
 """What one Muon step needs, in one typed object: ``MuonStep``, built by ``Muon.step`` and handed to
-every path that runs a part of the step; the paths touch nothing else of the optimizer.
-
-``GroupSettings`` is one param group's hyperparameters as a step reads them (the schedule may change
-``lr`` every step); ``UpdateScalars`` lays out their learning-rate-dependent numbers for the update pass,
-so a compiled pass or a CUDA graph reads the same slots every step while the values change.
-"""
+every path that runs a part of the step; the paths touch nothing else of the optimizer."""
 
 from __future__ import annotations
 
@@ -48,7 +43,8 @@ def check_group(group: dict) -> None:
 
 @dataclass(frozen=True)
 class GroupSettings:
-    """One param group's settings for this step."""
+    """One param group's hyperparameters as this step reads them (the schedule may change ``lr``
+    every step)."""
 
     lr: float
     weight_decay: float
@@ -81,7 +77,8 @@ class GroupSettings:
 class UpdateScalars:
     """One step's decay factors ``1 - lr * weight_decay`` (one per param group) and update scales
     ``-adjust_lr(lr, adjust_lr_fn, (rows, cols))`` (one per group and shape) in one list, with the two
-    slots of each ``(group, rows, cols)`` in it. The layout follows the keys alone."""
+    slots of each ``(group, rows, cols)`` in it. The layout follows the keys alone, so a compiled update
+    pass or a CUDA graph reads the same slots every step while the values change."""
 
     values: list[float]
     slots: dict[tuple[int, int, int], tuple[int, int]]
@@ -138,20 +135,31 @@ class MuonStep:
 
     def second_moment(self, p: Tensor, layout: ExpertLayout | None = None) -> Tensor:
         """NorMuon's per-row EMA of the mean square of the Newton–Schulz result: fp32, one entry per row
-        of ``p`` (of each expert matrix of a stacked parameter of ``layout``), laid out like its rows."""
+        of ``p`` (``[E, k * out]`` for stacked experts of ``layout``), laid out like its rows: a DTensor
+        with ``p``'s mesh and placements (each rank holds its own rows' entries) or a plain tensor. DCP
+        saves and reshards it like the parameter."""
         state = self.state[p]
         if "second_moment" not in state:
-            state["second_moment"] = rows_like(p, layout)
+            local = local_tensor(p)
+            per_row = () if layout is None else (layout.matrices * layout.matrix_shape(p.shape)[0],)
+            v = torch.zeros(local.shape[0], *per_row, dtype=torch.float32, device=local.device)
+            if isinstance(p, DTensor):
+                # split like p's rows; a split of its columns (a row-wise tensor-parallel layer) holds whole rows
+                placements = [Replicate() if getattr(pl, "dim", 0) != 0 else pl for pl in p.placements]
+                shape = (p.shape[0], *per_row)
+                v = DTensor.from_local(
+                    v, p.device_mesh, placements, shape=shape, stride=v.stride(), run_check=False
+                )
+            state["second_moment"] = v
         return state["second_moment"]
 
     def orthogonalize(self, X: Tensor, base: Tensor | None = None) -> Tensor:
         """Newton–Schulz on the normalised stack ``X`` ``[k, rows, cols]`` into a new tensor, counted in
-        ``stats``. With ``base``, ``X`` is not normalised and is held in place as the leading elements of
-        each row of that contiguous ``[k, slab]`` tensor, and the result overwrites it: the norm is folded
-        into the first product where the Gram form applies (``NewtonSchulz.folds_norm``), else divided
-        in a pass over ``base``. So a stack held whole (one rank's bucket, stacked experts) is normalised
-        here; an owner's stack reassembled from several ranks is normalised as it is reassembled
-        (``buckets.orthogonalize_stack``)."""
+        ``stats``. With ``base``, ``X`` is a stack held whole (one rank's bucket, stacked experts), not
+        normalised, held in place as the leading elements of each row of that contiguous ``[k, slab]``
+        tensor, which the result overwrites: its norm is folded into the first product
+        (``NewtonSchulz.folds_norm``) or divided in a pass over ``base``. A stack reassembled from
+        several ranks is normalised as it is reassembled (``buckets.orthogonalize_stack``)."""
         ns = self.newton_schulz
         if base is None:
             out = ns(X)
@@ -173,20 +181,3 @@ class MuonStep:
             updates = with_row_factors(updates, row_factors)
         compat.foreach_add_(deltas, updates, alpha=-adjust_lr(s.lr, s.adjust_lr_fn, shape))
         return deltas
-
-
-def rows_like(p: Tensor, layout: ExpertLayout | None = None) -> Tensor:
-    """fp32 zeros with one entry per row of ``p`` (``[E, k * out]`` for stacked experts of ``layout``),
-    laid out like its rows: a DTensor with ``p``'s mesh and placements (each rank holds its own rows'
-    entries) or a plain tensor. DCP saves and reshards it like the parameter."""
-    local = local_tensor(p)
-    per_row = () if layout is None else (layout.matrices * layout.matrix_shape(p.shape)[0],)
-    zeros = torch.zeros(local.shape[0], *per_row, dtype=torch.float32, device=local.device)
-    if not isinstance(p, DTensor):
-        return zeros
-    # split like p's rows; a split of its columns (a row-wise tensor-parallel layer) holds whole rows
-    placements = [Replicate() if getattr(pl, "dim", 0) != 0 else pl for pl in p.placements]
-    shape = (p.shape[0], *per_row)
-    return DTensor.from_local(
-        zeros, p.device_mesh, placements, shape=shape, stride=zeros.stride(), run_check=False
-    )

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonrun import compat
-from muonrun.distributed import shard_group
 
 
 def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor | None:
@@ -24,15 +23,10 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor | None:
     return torch.stack(compat.foreach_norm(list(tensors))).float().square().sum()
 
 
-def reduce_group(p: Tensor):
-    """The process group over which a tensor laid out like ``p`` is split (sums over local shards add
-    up to the whole over it: ``distributed.shard_group``), or None when each rank holds all of it."""
-    return shard_group(p).group
-
-
 class Sums:
-    """Named 0-d terms of one step, keyed by the process group over which they are partial; ``total``
-    sums each group's terms, all-reduces them in one call per group and adds the groups up."""
+    """Named 0-d terms of one step, keyed by the process group over which they are partial
+    (``distributed.shard_group(p).group``; None: whole on every rank); ``total`` sums each group's terms,
+    all-reduces them in one call per group and adds the groups up."""
 
     def __init__(self, names: Sequence[str], device: torch.device) -> None:
         self.names = tuple(names)
