@@ -1,8 +1,7 @@
 """Muon and AdamW for FSDP2-sharded models, usable without the rest of muonrun.
 
-- ``Muon``: Muon on plain tensors, FSDP2/HSDP DTensors and stacked experts, each matrix
-  orthogonalised once per shard group; ``torch.optim.Muon``'s arguments and results;
-  ``variant="normuon"`` is NorMuon.
+- ``Muon``: ``torch.optim.Muon``'s arguments and results on plain tensors, FSDP2/HSDP DTensors and
+  stacked experts, each matrix orthogonalised once per shard group; ``variant="normuon"`` is NorMuon.
 - ``AdamW``: ``torch.optim.AdamW`` stepping the local shards.
 - ``split_params``: which parameters Muon may touch (hidden matrices and stacked experts, by module
   and name) and which go to AdamW (embeddings, LM head, routers, norms, biases).

@@ -21,8 +21,7 @@ from muonrun.optim.telemetry import sum_of_squares
 
 
 def prepare(step: MuonStep, part: Partition, bucket: Bucket, send: Tensor) -> Tensor:
-    """Momentum on local rows; writes the slabs (padding zeroed, NorMuon's v appended) to send into
-    ``send`` (``send_numel`` elements), which it returns."""
+    """Momentum on local rows into the slabs of ``send`` (padding zeroed, NorMuon's v appended), returned."""
     for gi, items in bucket.by_group:
         s = step.groups[gi]
         bufs = [local_tensor(step.momentum_buffer(it.param)) for it in items]
@@ -52,9 +51,8 @@ def orthogonalize(step: MuonStep, part: Partition, bucket: Bucket, recv: Tensor,
 
 
 def orthogonalize_stack(step: MuonStep, part: Partition, own: Owned, grid: Tensor) -> None:
-    """The owner's work on one stack of same-shaped matrices (``grid``: the receive buffer as ``[world,
-    per_source]``): normalise it (or fold the norm), Newton–Schulz, NorMuon's row factors, and on several
-    ranks the parts back into ``grid``."""
+    """The owner's work on one stack (``grid``: the receive buffer as ``[world, per_source]``): normalise
+    (or fold the norm), Newton–Schulz, NorMuon's row factors, and on several ranks the parts back."""
     W, eps, it = part.shard.world, step.newton_schulz.eps, own.first
     k, R, C, c = own.count, it.rows, it.cols, it.chunk
     run = grid[:, own.offset : own.offset + k * it.slab].view(W, k, it.slab)
@@ -135,8 +133,7 @@ def apply(step: MuonStep, part: Partition, bucket: Bucket, result: Tensor) -> No
 
 
 def step_exchanged(step: MuonStep, part: Partition, prefetch: int) -> None:
-    """All buckets of one partition whose shard group has several ranks: exchange, orthogonalise and
-    apply, pipelined ``prefetch`` buckets deep."""
+    """All buckets of a partition over several ranks: exchange, orthogonalise, apply, ``prefetch`` deep."""
     pg = part.shard.group
     buckets = part.buckets
 

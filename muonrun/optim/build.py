@@ -72,8 +72,7 @@ OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, str], list[torch.opt
 
 
 def muon_iteration(o: OptimizerConfig, device_type: str) -> NewtonSchulz:
-    """The Newton–Schulz iteration ``build_muon``'s Muon runs on ``device_type``: what the dry run
-    counts (``tools.plan``), from the same description."""
+    """The iteration ``build_muon``'s Muon runs on ``device_type``; the dry run counts it (``tools.plan``)."""
     return NewtonSchulz(gram=o.muon.gram_ns, products=default_products(device_type))
 
 

@@ -31,8 +31,7 @@ Chunk = Sequence[tuple[int, Tensor]]  # (param group index, stacked parameter), 
 
 
 def check_stacked(p: Tensor, layout: ExpertLayout, name: str) -> None:
-    """A stacked parameter must split into ``layout.matrices`` equal matrices per expert and be sharded
-    on dim 0 alone."""
+    """A stacked parameter must split into ``layout.matrices`` matrices per expert, sharded on dim 0 alone."""
     k = layout.matrices
     out = p.shape[2] if layout.transposed else p.shape[1]
     if k < 1 or out % k:
@@ -72,8 +71,7 @@ def chunk_shape(groups: Sequence[GroupSettings], chunk: Chunk) -> tuple[int, int
 
 
 def create_state(step: MuonStep, chunk: Chunk) -> None:
-    """A chunk with no experts on this rank: its (empty) state still exists for DCP, and its zeros join
-    telemetry's all-reduce."""
+    """A chunk with no experts on this rank: its (empty) state exists for DCP, its zeros join telemetry."""
     s = step.groups[chunk[0][0]]
     bufs = [local_tensor(step.momentum_buffer(p)) for _, p in chunk]
     if s.normuon:
@@ -84,8 +82,7 @@ def create_state(step: MuonStep, chunk: Chunk) -> None:
 
 
 def stacked_momentum(step: MuonStep, chunk: Chunk, X: Tensor) -> Tensor:
-    """Momentum and the Nesterov look-ahead of a chunk written in ``step.ns_dtype`` into ``X``
-    (``chunk_shape``), which it returns."""
+    """Momentum and Nesterov look-ahead of a chunk into ``X`` (``chunk_shape``, ``ns_dtype``), returned."""
     gi = chunk[0][0]
     s = step.groups[gi]
     params = [p for _, p in chunk]
@@ -100,9 +97,8 @@ def stacked_momentum(step: MuonStep, chunk: Chunk, X: Tensor) -> Tensor:
 
 
 def stacked_update(step: MuonStep, chunk: Chunk, X: Tensor) -> None:
-    """The rest of a chunk's step from the look-ahead ``X`` that ``stacked_momentum`` wrote: Newton–Schulz
-    in one batch in place (``MuonStep.orthogonalize``), NorMuon's row factors and ``v``, then weight decay
-    and the scaled update."""
+    """The rest of a chunk's step from ``stacked_momentum``'s ``X``: Newton–Schulz in one batch in place
+    (``MuonStep.orthogonalize``), NorMuon's row factors and ``v``, weight decay and the scaled update."""
     gi = chunk[0][0]
     s = step.groups[gi]
     params = [p for _, p in chunk]

@@ -65,8 +65,7 @@ def with_row_factors(updates: Sequence[Tensor], row_factors: Sequence[Tensor]) -
 
 
 def frobenius_divisors(X: Tensor, dim: tuple[int, ...], eps: float) -> Tensor:
-    """``max(||.||_F, eps)`` over ``dim`` of ``X``: what torch.optim.Muon divides each matrix by (zero
-    padding rows change no norm)."""
+    """``max(||X||_F, eps)`` over ``dim``: torch.optim.Muon's divisor (zero padding rows change no norm)."""
     return torch.linalg.vector_norm(X, dim=dim).clamp_(min=eps)
 
 
@@ -148,17 +147,15 @@ class Passes(Kernels):
 
     @classmethod
     def choose(cls, eager: bool, device: torch.device | None, backend: str | Callable | None) -> Passes:
-        """Compiled with ``backend`` when given (any device: tests), else compiled where inductor
-        generates GPU code (``can_compile`` on ``device``, where the parameters are; None: none to
-        step), unless ``eager``."""
+        """Compiled with ``backend`` where given (any device: tests), else where ``can_compile`` on
+        ``device`` (the parameters'; None: none to step), unless ``eager``."""
         if backend is not None:
             return cls(True, backend)
         return cls(not eager and device is not None and can_compile(device))
 
 
 def can_compile(device: torch.device) -> bool:
-    """Whether the fused passes compile on this device: inductor's GPU backend, which needs triton
-    (said once where it is missing). On a CPU they run as the eager foreach ops they fuse."""
+    """Whether the fused passes compile on ``device``: a GPU, with triton (said once where it is missing)."""
     if device.type != "cuda":
         return False
     try:

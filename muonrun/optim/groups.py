@@ -19,12 +19,11 @@ name, never by ``ndim`` alone:
 - ``other``: any remaining parameter with 2+ dims that is not a Linear weight (custom
   ``nn.Parameter`` matrices, conv kernels, matrices forced to AdamW by a pattern). AdamW, with decay.
 
-Overrides: ``muon_patterns`` / ``adamw_patterns`` are fnmatch globs on parameter names (with
-wrapper prefixes such as ``_orig_mod.``, ``_checkpoint_wrapped_module.`` and
-``_fsdp_wrapped_module.`` removed), e.g. ``"*.mlp.*"`` or ``"model.layers.0.*"``. A parameter
-matched by ``muon_patterns`` goes to ``muon`` (it must be 2-D); one matched by ``adamw_patterns``
-leaves ``muon`` for its type's AdamW group (``other`` for a Linear weight). Matching both is an
-error. Frozen parameters (``requires_grad=False``) are left out.
+Overrides: ``muon_patterns`` / ``adamw_patterns`` are fnmatch globs on parameter names without wrapper
+prefixes (``clean_param_name``), e.g. ``"*.mlp.*"`` or ``"model.layers.0.*"``. A parameter matched by
+``muon_patterns`` goes to ``muon`` (it must be 2-D); one matched by ``adamw_patterns`` leaves ``muon``
+for its type's AdamW group (``other`` for a Linear weight). Matching both is an error. Frozen
+parameters (``requires_grad=False``) are left out.
 """
 
 from __future__ import annotations
@@ -48,17 +47,13 @@ def is_experts_module(module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """How a stacked expert parameter holds its experts' ``[out, in]`` matrices. A Muon param group of
-    stacked experts carries it as ``matrices_per_expert``, ``experts_transposed`` and
-    ``experts_interleaved`` (``group_keys``)."""
+    """How a stacked expert parameter holds its experts' ``[out, in]`` matrices; a Muon param group of
+    stacked experts carries it in its ``group_keys``."""
 
-    matrices: int = 1
-    """Matrices per expert: 2 for a fused ``gate_up_proj`` (the gate's and the up projection's)."""
+    matrices: int = 1  # per expert: 2 for a fused gate_up_proj (the gate's and the up projection's)
     transposed: bool = False
     """Stored ``[E, in, out]`` (GPT-OSS, Llama4, Aria), else ``[E, out, in]`` (Qwen2-MoE, Mixtral, DeepSeek)."""
-    interleaved: bool = False
-    """A fused projection's matrices alternate along ``out`` (GPT-OSS: gate, up, gate, ...), else they
-    follow one another."""
+    interleaved: bool = False  # a fused projection's matrices alternate along out (GPT-OSS: gate, up, ...)
 
     def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
         """``(out, in)`` of one matrix of a parameter (or local shard) of ``shape`` ``[E, a, b]``."""
@@ -140,8 +135,7 @@ class ParamSplit:
     norm_bias: Named = field(default_factory=list)
     other: Named = field(default_factory=list)
     tied_lm_head: bool = False
-    expert_layouts: dict[str, ExpertLayout] = field(default_factory=dict)
-    """How each parameter in ``experts`` holds its matrices (``ExpertLayout``), by name."""
+    expert_layouts: dict[str, ExpertLayout] = field(default_factory=dict)  # by name, for each in experts
 
     GROUPS = ("muon", "embedding", "lm_head", "experts", "norm_bias", "other")
 
@@ -161,8 +155,7 @@ class ParamSplit:
         return self.norm_bias
 
     def expert_groups(self) -> list[dict]:
-        """Muon param groups for ``experts``: one per layout (``ExpertLayout.group_keys``), in the order
-        the layouts first appear."""
+        """Muon param groups for ``experts``: one per layout (``ExpertLayout.group_keys``), as first seen."""
         by_layout: dict[ExpertLayout, list] = {}
         for name, p in self.experts:
             by_layout.setdefault(self.expert_layouts[name], []).append(p)

@@ -15,9 +15,8 @@ step time (docs/performance.md). Three things stay out of the graph:
 
 The first ``warmup_steps`` steps run eagerly on the capture stream (compiles and lazy set-up happen
 there); the next is captured, and every later step replays. Inside the graph independent stacks run
-side by side on ``Lanes`` (``STREAMS`` CUDA streams), with the same kernels and inputs as on one
-stream, so the same results bit for bit. Cost: the buffers and the graph's temporaries stay
-allocated between steps.
+side by side on ``Lanes`` (``STREAMS`` CUDA streams), the same kernels on the same inputs as on one
+stream: the same results bit for bit. Cost: buffers and graph temporaries stay allocated between steps.
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ class StepGraph:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def run(self, body: Callable[[], None], stats: dict[str, int]) -> None:
-        """This step's graph part, ``body`` (see the module docstring). ``stats``: Muon's counters,
-        which a replay advances as the captured call did."""
+        """Run ``body``, this step's graph part; ``stats``: Muon's counters, which a replay also advances."""
         if self.graph is not None:
             self.graph.replay()
             for name, n in self.stats.items():
@@ -154,8 +152,7 @@ Unit = tuple  # (partition, bucket) of a one-rank shard group, or (None, expert 
 
 
 def local_units(step: MuonStep, plan: Sequence, chunks: Sequence) -> list[Unit]:
-    """This step's local units: the buckets of its one-rank partitions in plan order, then the expert
-    chunks with experts on this rank."""
+    """This step's local units: one-rank partitions' buckets in plan order, then chunks with experts here."""
     units: list[Unit] = [(part, b) for part in plan if part.shard.world == 1 for b in part.buckets]
     return units + [(None, c) for c in chunks if chunk_shape(step.groups, c)[0]]
 
@@ -170,8 +167,7 @@ def buffer_for(step: MuonStep, unit: Unit) -> Tensor:
 
 
 def start(step: MuonStep, unit: Unit, buf: Tensor | None = None) -> Tensor:
-    """``unit``'s momentum pass, which reads the gradients, into ``buf`` (None: a new one), which it
-    returns."""
+    """``unit``'s momentum pass (it reads the gradients) into ``buf`` (None: a new one), returned."""
     part, what = unit
     buf = buffer_for(step, unit) if buf is None else buf
     if part is None:
@@ -181,8 +177,7 @@ def start(step: MuonStep, unit: Unit, buf: Tensor | None = None) -> Tensor:
 
 def finish(step: MuonStep, unit: Unit, buf: Tensor, lanes: Lanes = NO_LANES) -> None:
     """The rest of ``unit``'s step (normalisation, Newton–Schulz, NorMuon's rows, decay and update) from
-    what ``start`` wrote into ``buf`` and the step's ``UpdateScalars``: each stack on a lane of ``lanes``,
-    the update after them."""
+    ``buf`` and ``UpdateScalars``: each stack on a lane of ``lanes``, the update after them."""
     part, what = unit
     if part is None:
         with lanes.lane():
@@ -194,9 +189,8 @@ def finish(step: MuonStep, unit: Unit, buf: Tensor, lanes: Lanes = NO_LANES) -> 
 
 
 def step_local(step: MuonStep, units: Sequence[Unit], graph: StepGraph | None) -> None:
-    """Every local unit's step: one after another, each with buffers of its own; or with ``graph``,
-    each momentum pass into the graph's buffers, then the rest replayed from it (captured at its first
-    steps, side by side on its lanes)."""
+    """Every local unit's step, one after another with buffers of its own; or, with ``graph``, the momentum
+    passes into its buffers and the rest from it (``StepGraph.run``), side by side on its lanes."""
     if graph is None:
         for unit in units:
             finish(step, unit, start(step, unit))

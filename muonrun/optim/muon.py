@@ -99,15 +99,13 @@ class Muon(torch.optim.Optimizer):
 
     collect_telemetry: bool = False  # set by the trainer
 
-    compile_backend = None
-    """Tests: a torch.compile backend (name or callable) for the elementwise passes on any device."""
+    compile_backend = None  # tests: a torch.compile backend (name or callable) for the passes on any device
 
     graphs: bool | None = None
     """Tests: None makes CUDA graphs where they apply (GPUs, not ``eager``); True also on a CPU (run
     eagerly there, through the graph's buffers and scalar tensor); False never."""
 
-    graph_streams = STREAMS
-    """Tests: the CUDA streams a graph runs its stacks on (``local.STREAMS``)."""
+    graph_streams = STREAMS  # tests: the CUDA streams a graph runs its stacks on
 
     def __init__(
         self,
@@ -219,8 +217,7 @@ class Muon(torch.optim.Optimizer):
         return self._plan or []
 
     def _get_plan(self, groups: list[GroupSettings]) -> list[Partition]:
-        """The exchange plan for the matrices that have gradients, rebuilt only when that set or a
-        group's variant changes."""
+        """The exchange plan of the matrices with gradients, rebuilt when they or a group's variant change."""
         active = [
             (gi, i, p)
             for gi, group in enumerate(self.param_groups)

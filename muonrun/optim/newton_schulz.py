@@ -36,7 +36,7 @@ DEFAULT_EPS = 1e-7
 # The Gram form rebuilds its Gram matrix before this iteration: without a restart bf16 rounding compounds
 # in it until the result is useless; with one before the third iteration the result is as close to the
 # polar factor as the standard iteration's. It runs only on matrices GRAM_MIN_ASPECT times wider than
-# tall: on squares it costs more FLOPs, and with quack's products it runs slower below 1.5 (docs/performance.md).
+# tall: on squares it costs more FLOPs, with quack's products it is slower below 1.5 (docs/performance.md).
 GRAM_RESTART = 2
 GRAM_MIN_ASPECT = 1.5
 # The split restart (``gram_iterations``' ``split_restart``) costs four m x m products and the final Q' Q,
@@ -110,8 +110,7 @@ class NewtonSchulz:
         return self.uses_gram(shape)
 
     def flops(self, shape: Sequence[int]) -> int:
-        """Matmul FLOPs of one ``rows x cols`` matrix as ``__call__`` runs it (``newton_schulz_flops``),
-        symmetric results at half where the products compute one triangle of them."""
+        """Matmul FLOPs of one ``rows x cols`` matrix as ``__call__`` runs it (``newton_schulz_flops``)."""
         return newton_schulz_flops(shape, self.steps, self.gram, self.products.halves(shape))
 
     def describe(self) -> str:
@@ -222,15 +221,14 @@ def gram_iterations(
     products: Products = TORCH_PRODUCTS,
     split_restart: bool = False,
 ) -> Tensor:
-    """The same iterations on the Gram matrix of a stack ``[k, rows, cols]``.
-
-    On the wide orientation ``m x n`` (``m < n``), with ``R = X X^T`` and ``Q = I``, each iteration
-    forms ``P = a I + b R + c R^2`` and updates ``Q <- P Q``, ``R <- P R P``; the result is ``Q X``.
-    In exact arithmetic that is the standard iteration (every P is a polynomial in the first R, so
-    they commute), but the n-sized products happen only at the start, at the restart (``X <- Q X``,
-    ``R <- X X^T`` before iteration ``GRAM_RESTART``) and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5
-    iterations instead of 20 m^2 n + 10 m^3. ``fold_eps`` and ``out`` as in ``NewtonSchulz.iterate``:
-    the first ``R`` gives the scale ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
+    """The iterations on the Gram matrix of a stack ``[k, rows, cols]``: on the wide orientation ``m x
+    n`` (``m < n``), with ``R = X X^T`` and ``Q = I``, each iteration forms ``P = a I + b R + c R^2`` and
+    updates ``Q <- P Q``, ``R <- P R P``; the result is ``Q X``. In exact arithmetic that is the
+    standard iteration (every P is a polynomial in the first R, so they commute), but the n-sized
+    products happen only at the start, at the restart (``X <- Q X``, ``R <- X X^T`` before iteration
+    ``GRAM_RESTART``) and at the end: 8 m^2 n + ~28 m^3 FLOPs for 5 iterations instead of 20 m^2 n +
+    10 m^3. ``fold_eps`` and ``out`` as in ``NewtonSchulz.iterate``: the first ``R`` gives the scale
+    ``D`` (``R <- D R D``) and the first product with ``X`` applies ``Q D``.
 
     ``split_restart``: rebuild ``R`` at the restart from the first Gram matrix, not from ``X``: ``R0 = X
     X^T`` is kept with its fp32 accumulation (as two bf16 halves, ``Products.split``), the restart forms
@@ -249,8 +247,7 @@ def gram_iterations(
 
     if not per_step:  # nothing to iterate: X, normalised as the standard form does
         return NewtonSchulz(per_step).iterate(X, fold_eps, out)
-    restart = GRAM_RESTART
-    split = split_restart and restart < len(per_step)
+    split = split_restart and len(per_step) > GRAM_RESTART
     R, Q, Q_before = (ops.gram_fp32 if split else ops.gram)(X, tall), None, None
     d = _fold_norm_(R, fold_eps, ops) if fold_eps is not None else None  # R' = D R D
     if split:
@@ -258,7 +255,7 @@ def gram_iterations(
         R = R0[..., : R.shape[-1]]
     last = len(per_step) - 1
     for i, (a, b, c) in enumerate(per_step):
-        if i == restart and Q is not None:
+        if i == GRAM_RESTART and Q is not None:
             if split:  # Q R0 Q^T is the Gram matrix of Q X; the end applies the new Q times this one
                 R, Q_before, Q = ops.regram(Q, R0), Q, None
             else:
@@ -267,7 +264,7 @@ def gram_iterations(
         P = ops.poly(R, b, c)
         P.diagonal(dim1=-2, dim2=-1).add_(a)
         Q = P if Q is None else ops.sym_mm(P, Q)
-        if i < last and i + 1 != restart:  # the next iteration needs R; a restart rebuilds it
+        if i < last and i + 1 != GRAM_RESTART:  # the next iteration needs R; a restart rebuilds it
             R = ops.sym_mm(ops.sym_mm(P, R), P)
     if Q_before is not None:  # polynomials in different Gram matrices: the whole product, not a triangle
         Q = ops.mm(Q, Q_before)
@@ -295,7 +292,7 @@ def _finish(X: Tensor, out: Tensor | None) -> Tensor:
 
 def normuon_row_scale(X: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
     """NorMuon's step on Newton–Schulz results ``X`` ``[k, m, n]`` (the paper's O) and per-row second
-    moments ``v`` ``[k, m]`` (fp32), as one factor ``f`` (fp32 ``[k, m]``) per row of ``X``, and the new ``v``::
+    moments ``v`` ``[k, m]`` (fp32): one fp32 factor ``f`` ``[k, m]`` per row of ``X``, and the new ``v``::
 
         v_i = beta2 * v_i + (1 - beta2) * mean_j X_ij^2     # per row (output neuron)
         Y   = X / (sqrt(v) + eps)                           # row-wise (the paper's Ô)

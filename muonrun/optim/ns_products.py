@@ -78,8 +78,7 @@ class Products:
         return other
 
     def halves(self, shape: Sequence[int]) -> bool:
-        """Whether the symmetric results of a matrix of ``shape`` cost half their FLOPs here (one
-        triangle computed): what Muon balances its owners on and the dry run counts."""
+        """Whether symmetric results of ``shape`` cost half here (one triangle): ``NewtonSchulz.flops``."""
         return False
 
     def gram(self, Y: Tensor, tall: bool) -> Tensor:
@@ -95,13 +94,11 @@ class Products:
         return torch.bmm(P, Q)
 
     def apply(self, B: Tensor, Y: Tensor, tall: bool, out: Tensor | None = None) -> Tensor:
-        """``B Y`` on the wide orientation, ``Y B^T`` for a tall ``Y`` (``B`` square, any), into
-        ``out`` when given."""
+        """``B Y`` on the wide orientation, ``Y B^T`` for a tall ``Y`` (any square ``B``), into ``out``."""
         return torch.bmm(Y, B.mT, out=out) if tall else torch.bmm(B, Y, out=out)
 
     def apply_add(self, B: Tensor, Y: Tensor, a: float, tall: bool, out: Tensor | None = None) -> Tensor:
-        """``a Y + B Y`` on the wide orientation, ``a Y + Y B^T`` for a tall ``Y``, into ``out`` when
-        given (torch.optim.Muon's ``baddbmm``)."""
+        """``a Y + B Y`` (``a Y + Y B^T`` for a tall ``Y``: torch.optim.Muon's ``baddbmm``) into ``out``."""
         return torch.baddbmm(Y, Y, B.mT, beta=a, out=out) if tall else torch.baddbmm(Y, B, Y, beta=a, out=out)
 
     def gram_fp32(self, Y: Tensor, tall: bool) -> Tensor:
@@ -129,8 +126,7 @@ class Products:
         return torch.bmm(A, B)
 
     def scale(self, T: Tensor, f: Tensor) -> None:
-        """``T *= f`` in place (``f`` broadcast), in fp32 rounded once into ``T``'s dtype: a folded norm
-        applied to a small product."""
+        """``T *= f`` in place (``f`` broadcast), in fp32 rounded once: a folded norm on a small product."""
         _kernel(_scale, T, f, self.compiled)
 
     def split(self, T: Tensor, dtype: torch.dtype) -> Tensor:

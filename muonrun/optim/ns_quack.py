@@ -52,7 +52,6 @@ class QuackProducts(Products):
     name = "quack's symmetric products (one triangle of each symmetric result)"
 
     def __init__(self, min_size: int = SYMMETRIC_MIN_SIZE) -> None:
-        # optional dependency: muonrun[quack]
         from quack.gemm import gemm
         from quack.gemm_interface import gemm_symmetric
         from quack.gemm_symmetric import gemm_symmetric as gemm_symmetric_tiled
@@ -84,8 +83,7 @@ class QuackProducts(Products):
     def _symmetric(
         self, product: str, A: Tensor, B: Tensor, C: Tensor | None = None, alpha=1.0, beta=1.0, dtype=None
     ):
-        """``alpha A B + beta C`` for a symmetric result: ``A`` ``[k, m, n]``, ``B`` ``[k, n, m]``; in
-        ``dtype`` (None: ``A``'s)."""
+        """Symmetric ``alpha A B + beta C`` (``A`` ``[k, m, n]``, ``B`` ``[k, n, m]``) in ``dtype`` or A's."""
         if not self._on_hopper(A):
             return self._gemm_symmetric(A, B, C=C, alpha=alpha, beta=beta, out_dtype=dtype)
         m = A.shape[-2]

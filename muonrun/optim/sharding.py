@@ -21,9 +21,8 @@ exchange runs over the ``Shard(0)`` dimension (gradients are already averaged ov
 Tensor parallelism splits a matrix over more than one mesh axis (FSDP2's rows of a tensor-parallel
 column shard, or of a row-wise layer's column block): each rank then holds a rectangle of it, not a
 run of rows. The exchange is the same, over the group of all the axes that split it
-(``distributed.shard_group``): every rank's rectangle of matrix j travels to j's owner, which places
-each where it belongs (``Item.blocks``, gathered once when the plan is built) and sends the result's
-rectangles back.
+(``distributed.shard_group``): the owner places each rank's rectangle where it belongs (``Item.blocks``,
+gathered once when the plan is built) and sends the result's rectangles back.
 """
 
 from __future__ import annotations
@@ -46,21 +45,17 @@ class ShardInfo:
     group: Any  # ProcessGroup of the mesh axes that split the matrix, or None when it is local
     world: int
     rank: int
-    rows_only: bool = True
-    """Split by rows alone, in the ``torch.chunk`` layout (FSDP2, HSDP); else into rectangles."""
+    rows_only: bool = True  # split by rows alone, in the torch.chunk layout (FSDP2, HSDP); else rectangles
 
 
 LOCAL = ShardInfo(None, 1, 0)
-ROW_VALUES = 2
-"""fp32 values per row in a NorMuon slab's state region: the row's ``v``, then the factor its owner
-sends back (``Item.state_view``)."""
+ROW_VALUES = 2  # fp32 values per row in a NorMuon slab's state: its v, then the factor its owner sends back
 DEFAULT_BUCKET_NUMEL = 1 << 28
 Block = tuple[int, int, int, int]  # rows [r0, r1) x columns [c0, c1) of a matrix
 
 
 def shard_info(p: Tensor, name: str) -> ShardInfo:
-    """Where a parameter's parts live (``distributed.shard_group``). Raises ValueError for a layout
-    with pending partial sums."""
+    """Where a parameter's parts live (``distributed.shard_group``); ValueError for pending partial sums."""
     if not isinstance(p, DTensor):
         return LOCAL
     if any(pl.is_partial() for pl in p.placements):
@@ -95,18 +90,13 @@ class Item:
     cols: int
     chunk: int  # rows per rank slab (ceil(rows / world); the most any rank holds); == rows when local
     local_rows: int
+    local_cols: int  # this rank's columns (cols, but for a tensor-parallel column block)
     cost: int = 0  # Newton–Schulz FLOPs (NewtonSchulz.flops), for owner balancing
     row_state: int = 0  # buffer elements per row of fp32 per-row state (NorMuon's ROW_VALUES), 0: none
     owner: int = 0
     offset: int = 0  # element offset of this rank's slab in the bucket's send/receive buffer
-    local_cols: int = 0  # this rank's columns (cols, but for a tensor-parallel column block)
-    blocks: tuple[Block, ...] | None = None
-    """Each rank's rectangle of the matrix, by rank of the shard group, where it is split into
-    rectangles; None: by rows, ``chunk`` each (``torch.chunk``)."""
+    blocks: tuple[Block, ...] | None = None  # each rank's rectangle by shard-group rank; None: chunk rows
     own: Block = (0, 0, 0, 0)  # this rank's rectangle, until ``blocks`` are known
-
-    def __post_init__(self) -> None:
-        self.local_cols = self.local_cols or self.cols
 
     @property
     def block(self) -> int:
@@ -117,8 +107,7 @@ class Item:
 
     @property
     def state_at(self) -> int:
-        """Offset of the per-row state inside a slab: after the matrix's part, aligned so that it can
-        be viewed as fp32 (a multiple of ``row_state`` elements)."""
+        """Offset of the per-row state in a slab: after the part, aligned for fp32 (to ``row_state``)."""
         x = max(self.row_state, 1)
         return -(-self.block // x) * x
 
@@ -186,8 +175,7 @@ class Entry:
 
 
 def build_plan(entries: Sequence[Entry], bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> list[Partition]:
-    """The plan for these matrices: partitions, their buckets and every offset (the same on every rank
-    of a shard group: ``verify_plan``)."""
+    """The plan: partitions, their buckets and every offset (the same on every rank: ``verify_plan``)."""
     plan = []
     for part, by_shape in _collect(entries):
         buckets = _pack(by_shape, bucket_numel)
@@ -222,19 +210,19 @@ def _item(e: Entry, info: ShardInfo) -> Item:
     since the owner reassembles rows by position."""
     rows, cols = e.param.shape
     if info.world == 1:
-        return Item(e.param, e.group_index, rows, cols, chunk=rows, local_rows=rows)
+        return Item(e.param, e.group_index, rows, cols, chunk=rows, local_rows=rows, local_cols=cols)
     local = local_tensor(e.param)
     if not info.rows_only:  # a rectangle: its place is gathered with the others' (``_gather_blocks``)
         (n_rows, n_cols), (r0, c0) = compat.local_shape_and_offset(e.param)
         own = (r0, r0 + n_rows, c0, c0 + n_cols)
-        return Item(e.param, e.group_index, rows, cols, n_rows, n_rows, local_cols=n_cols, own=own)
+        return Item(e.param, e.group_index, rows, cols, n_rows, n_rows, n_cols, own=own)
     n_local = local_rows(rows, info.world, info.rank)
     if local.shape[0] != n_local or local.shape[1] != cols:
         raise ValueError(
             f"{e.name}: local shard {tuple(local.shape)} is not the torch.chunk layout "
             f"({n_local} rows expected on shard rank {info.rank})"
         )
-    return Item(e.param, e.group_index, rows, cols, chunk_rows(rows, info.world), n_local)
+    return Item(e.param, e.group_index, rows, cols, chunk_rows(rows, info.world), n_local, cols)
 
 
 def _gather_blocks(part: Partition, items: list[Item]) -> None:
@@ -275,14 +263,13 @@ def owner_flops(
     flops: Callable[[Sequence[int]], int],
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> list[int]:
-    """Newton–Schulz FLOPs per rank of one optimizer step for matrices of these shapes on a shard group
-    of ``world`` ranks, each costing ``flops(shape)`` (``NewtonSchulz.flops``), owners assigned as Muon
-    assigns them (``assign_owners``)."""
+    """Newton–Schulz FLOPs per rank of one step for matrices of these shapes on ``world`` ranks, each
+    ``flops(shape)`` (``NewtonSchulz.flops``), owners assigned as Muon assigns them (``assign_owners``)."""
     by_shape: dict[tuple, list[Item]] = {}
     for shape in shapes:
         rows, cols = int(shape[0]), int(shape[1])
         by_shape.setdefault((rows, cols), []).append(
-            Item(None, 0, rows, cols, rows, rows, flops((rows, cols)))
+            Item(None, 0, rows, cols, rows, rows, cols, flops((rows, cols)))
         )
     assign_owners(_pack(by_shape, bucket_numel), world)
     per_rank = [0] * world
@@ -348,8 +335,7 @@ def _lay_out(items: list[Item], shard: ShardInfo) -> Bucket:
 
 
 def _owned(items: list[Item], me: int) -> list[Owned]:
-    """This rank's matrices in a sorted bucket, as runs of one shape, with their offset in each
-    source's segment of the receive buffer."""
+    """This rank's matrices in a sorted bucket: runs of one shape, at offsets in each source's segment."""
     owned: list[Owned] = []
     offset = 0
     for it in items:

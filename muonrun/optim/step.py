@@ -43,18 +43,15 @@ def check_group(group: dict) -> None:
 
 @dataclass(frozen=True)
 class GroupSettings:
-    """One param group's hyperparameters as this step reads them (the schedule may change ``lr``
-    every step)."""
+    """One param group's hyperparameters as this step reads them (``lr`` may change every step)."""
 
     lr: float
     weight_decay: float
     momentum: float
     nesterov: bool
     adjust_lr_fn: str | None
-    normuon: tuple[float, float] | None
-    """NorMuon's (beta2, eps); None: plain Muon. Matrices with the same value batch together."""
-    layout: ExpertLayout | None
-    """How the group's stacked experts hold their matrices; None: a group of 2-D matrices."""
+    normuon: tuple[float, float] | None  # NorMuon's (beta2, eps), None: Muon; equal ones batch together
+    layout: ExpertLayout | None  # how the group's stacked experts hold their matrices; None: 2-D matrices
 
     @classmethod
     def of(cls, group: dict) -> GroupSettings:
@@ -82,8 +79,7 @@ class UpdateScalars:
 
     values: list[float]
     slots: dict[tuple[int, int, int], tuple[int, int]]
-    on_device: Tensor | None = None
-    """The values as a float32 tensor, where the update pass is compiled or replayed from a graph."""
+    on_device: Tensor | None = None  # the values as a fp32 tensor, for a compiled pass or a CUDA graph
 
     @property
     def passed(self) -> Tensor | list[float]:
@@ -112,20 +108,15 @@ class UpdateScalars:
 class MuonStep:
     """One Muon step: its settings, the optimizer's state it updates, and what it counts."""
 
-    state: dict
-    """The optimizer's per-parameter state (``momentum_buffer``; NorMuon: ``second_moment``)."""
+    state: dict  # the optimizer's per-parameter state (momentum_buffer; NorMuon: second_moment)
     groups: Sequence[GroupSettings]
     newton_schulz: NewtonSchulz
-    ns_dtype: torch.dtype
-    """The dtype of the exchange buffers and of Newton–Schulz."""
+    ns_dtype: torch.dtype  # of the exchange buffers and of Newton–Schulz
     passes: Passes
     scalars: UpdateScalars
-    stats: dict[str, int]
-    """Muon's counters (``Muon.stats``), advanced as the step runs."""
-    sums: Sums | None = None
-    """This step's telemetry terms, while collecting."""
-    sample: object | None = None
-    """The plan item whose orthogonality residual telemetry reports (the first one orthogonalised)."""
+    stats: dict[str, int]  # Muon's counters (Muon.stats), advanced as the step runs
+    sums: Sums | None = None  # this step's telemetry terms, while collecting
+    sample: object | None = None  # the plan item whose orthogonality residual telemetry reports
 
     def momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
@@ -144,7 +135,7 @@ class MuonStep:
             per_row = () if layout is None else (layout.matrices * layout.matrix_shape(p.shape)[0],)
             v = torch.zeros(local.shape[0], *per_row, dtype=torch.float32, device=local.device)
             if isinstance(p, DTensor):
-                # split like p's rows; a split of its columns (a row-wise tensor-parallel layer) holds whole rows
+                # split like p's rows; a split of its columns (row-wise tensor parallelism) holds whole rows
                 placements = [Replicate() if getattr(pl, "dim", 0) != 0 else pl for pl in p.placements]
                 shape = (p.shape[0], *per_row)
                 v = DTensor.from_local(
@@ -173,8 +164,7 @@ class MuonStep:
         return out
 
     def changes(self, gi: int, shape, params: list, updates: list, row_factors: list | None) -> list[Tensor]:
-        """What decay and the update (of matrices of ``shape`` in group ``gi``) will change in ``params``,
-        before they do: telemetry's ``update``."""
+        """What decay and the update will change in ``params`` (``shape``, group ``gi``), for telemetry."""
         s = self.groups[gi]
         deltas = compat.foreach_mul(params, -s.lr * s.weight_decay)
         if row_factors is not None:
