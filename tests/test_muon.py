@@ -1133,6 +1133,16 @@ def test_rejects_bad_params():
         Muon([torch.zeros(2, 3)], variant="normuon", beta2=1.0)
 
 
+def test_a_sparse_gradient_is_refused_before_anything_is_updated():
+    dense, sparse = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(4, 6))
+    before = dense.detach().clone()
+    dense.grad, sparse.grad = torch.ones(4, 6), torch.ones(4, 6).to_sparse()
+    opt = Muon([dense, sparse], lr=LR)
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert torch.equal(dense.detach(), before) and not opt.state
+
+
 def test_refuses_a_partial_placement_and_steps_a_column_split_on_one_rank():
     """A partial (unreduced) parameter cannot be orthogonalised: refused naming it. A column split on a
     one-rank mesh (tensor parallelism of size 1) steps as torch.optim.Muon does."""
